@@ -69,14 +69,3 @@ func LookPath(name string) (string, error) {
 	}
 	return "", last
 }
-
-// RequireEnv skips (or, when Strict, fails) t unless the environment
-// variable name is set, and returns its value.
-func RequireEnv(t testing.TB, name string) string {
-	t.Helper()
-	v := os.Getenv(name)
-	if v == "" {
-		Unavailable(t, "test needs environment variable "+name)
-	}
-	return v
-}

@@ -3,9 +3,6 @@ module github.com/forkd/forkd
 go 1.26.0
 
 require (
-	github.com/inconshreveable/mousetrap v1.1.0 // indirect
-	github.com/spf13/cobra v1.10.2 // indirect
-	github.com/spf13/pflag v1.0.10 // indirect
-	go.etcd.io/bbolt v1.5.0 // indirect
-	golang.org/x/sys v0.50.0 // indirect
+	go.etcd.io/bbolt v1.5.0
+	golang.org/x/sys v0.50.0
 )

@@ -1,0 +1,310 @@
+// Package snapshot is the on-disk store of warm snapshots.
+//
+// Layout, one directory per tag under the store root:
+//
+//	<root>/<tag>/metadata.json   Metadata, written last
+//	<root>/<tag>/memory          guest RAM (sparse); children map it MAP_PRIVATE
+//	<root>/<tag>/state           device state
+//	<root>/<tag>/lock            reference lock (see below)
+//
+// A snapshot is built in <root>/.staging-<tag>-<random>/ and renamed into
+// place only when complete, so a crash never leaves a half-written tag.
+// Staging dirs are held by an exclusive flock on their lock file while their
+// writer lives; Reclaim removes the ones whose writer died.
+//
+// References: every VMM restored from a snapshot keeps a shared flock on the
+// snapshot's lock file for its whole life (the fd is inherited by the VMM
+// process). Remove takes the lock exclusively and fails while any child
+// lives, whatever process started it, with no counter to drift after a
+// crash.
+package snapshot
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/forkd/forkd/internal/errdefs"
+)
+
+// FormatVersion is the version of the layout and metadata this code writes
+// and reads.
+const FormatVersion = 1
+
+// Status of a snapshot.
+type Status string
+
+// Snapshot statuses.
+const (
+	StatusWriting Status = "writing"
+	StatusReady   Status = "ready"
+	StatusFailed  Status = "failed"
+)
+
+// File names inside a snapshot directory.
+const (
+	MetadataFile = "metadata.json"
+	MemoryFile   = "memory"
+	StateFile    = "state"
+	LockFile     = "lock"
+)
+
+// FileRef names an input file and its content hash.
+type FileRef struct {
+	Path   string `json:"path,omitempty"`
+	SHA256 string `json:"sha256,omitempty"`
+}
+
+// Metadata is metadata.json.
+type Metadata struct {
+	FormatVersion  int             `json:"format_version"`
+	Tag            string          `json:"tag"`
+	Status         Status          `json:"status"`
+	Error          string          `json:"error,omitempty"`
+	Backend        string          `json:"backend"`
+	BackendVersion string          `json:"backend_version"`
+	Accelerator    string          `json:"accelerator"`
+	Machine        json.RawMessage `json:"machine"`
+	Image          string          `json:"image"`
+	Kernel         FileRef         `json:"kernel"`
+	Initrd         FileRef         `json:"initrd"`
+	Rootfs         FileRef         `json:"rootfs,omitempty"`
+	MemoryMiB      int             `json:"memory_mib"`
+	VCPUs          int             `json:"vcpus"`
+	Python         string          `json:"python,omitempty"`
+	Preload        []string        `json:"preload,omitempty"`
+	Warmup         []string        `json:"warmup,omitempty"`
+	Parent         string          `json:"parent,omitempty"`
+	ParentHash     string          `json:"parent_hash,omitempty"`
+	ContentHash    string          `json:"content_hash,omitempty"`
+	Created        time.Time       `json:"created"`
+}
+
+// Snapshot is a snapshot found in the store.
+type Snapshot struct {
+	Metadata
+	Dir string `json:"dir"`
+}
+
+// MemoryPath is the snapshot's memory file.
+func (s *Snapshot) MemoryPath() string { return filepath.Join(s.Dir, MemoryFile) }
+
+// StatePath is the snapshot's device state file.
+func (s *Snapshot) StatePath() string { return filepath.Join(s.Dir, StateFile) }
+
+// LockPath is the snapshot's reference lock file.
+func (s *Snapshot) LockPath() string { return filepath.Join(s.Dir, LockFile) }
+
+// SizeBytes is the disk space the snapshot's files use.
+func (s *Snapshot) SizeBytes() int64 {
+	var total int64
+	entries, _ := os.ReadDir(s.Dir)
+	for _, e := range entries {
+		var st unix.Stat_t
+		if unix.Stat(filepath.Join(s.Dir, e.Name()), &st) == nil {
+			total += st.Blocks * 512
+		}
+	}
+	return total
+}
+
+// Store is a snapshot directory tree.
+type Store struct {
+	root string
+}
+
+// Open returns the store rooted at dir, creating it if needed.
+func Open(dir string) (*Store, error) {
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return nil, fmt.Errorf("snapshot store: %w", err)
+	}
+	return &Store{root: dir}, nil
+}
+
+// Root is the store's directory.
+func (s *Store) Root() string { return s.root }
+
+// path returns the directory of tag after validating it.
+func (s *Store) path(tag string) (string, error) {
+	if err := ValidateTag(tag); err != nil {
+		return "", err
+	}
+	return filepath.Join(s.root, tag), nil
+}
+
+// Get returns the snapshot named tag.
+func (s *Store) Get(tag string) (*Snapshot, error) {
+	dir, err := s.path(tag)
+	if err != nil {
+		return nil, err
+	}
+	return load(dir, tag)
+}
+
+func load(dir, tag string) (*Snapshot, error) {
+	b, err := os.ReadFile(filepath.Join(dir, MetadataFile))
+	if err != nil {
+		if errors.Is(err, os.ErrNotExist) {
+			return nil, errdefs.NotFound("snapshot %q not found", tag)
+		}
+		return nil, fmt.Errorf("snapshot %q: %w", tag, err)
+	}
+	var md Metadata
+	if err := json.Unmarshal(b, &md); err != nil {
+		return nil, fmt.Errorf("snapshot %q: corrupt metadata: %w", tag, err)
+	}
+	if md.FormatVersion != FormatVersion {
+		return nil, errdefs.FailedPrecondition("snapshot %q has format version %d; this forkd reads %d", tag, md.FormatVersion, FormatVersion)
+	}
+	if md.Tag != tag {
+		return nil, fmt.Errorf("snapshot %q: metadata names tag %q", tag, md.Tag)
+	}
+	return &Snapshot{Metadata: md, Dir: dir}, nil
+}
+
+// List returns every snapshot in the store, sorted by tag. Entries that
+// cannot be read are skipped.
+func (s *Store) List() ([]*Snapshot, error) {
+	entries, err := os.ReadDir(s.root)
+	if err != nil {
+		return nil, err
+	}
+	var out []*Snapshot
+	for _, e := range entries {
+		if !e.IsDir() || ValidateTag(e.Name()) != nil {
+			continue
+		}
+		snap, err := load(filepath.Join(s.root, e.Name()), e.Name())
+		if err != nil {
+			continue
+		}
+		out = append(out, snap)
+	}
+	return out, nil
+}
+
+// Ref is a held reference on a snapshot: a shared flock on its lock file.
+// Pass File to the VMM (vmm.RestoreSpec.Hold) so the reference lives as long
+// as the VMM process, then Close it.
+type Ref struct {
+	File *os.File
+}
+
+// Close releases this process's copy of the reference.
+func (r *Ref) Close() error { return r.File.Close() }
+
+// Acquire takes a reference on a ready snapshot. It fails while the
+// snapshot is being removed.
+func (s *Store) Acquire(tag string) (*Snapshot, *Ref, error) {
+	snap, err := s.Get(tag)
+	if err != nil {
+		return nil, nil, err
+	}
+	if snap.Status != StatusReady {
+		return nil, nil, errdefs.FailedPrecondition("snapshot %q is %s, not ready", tag, snap.Status)
+	}
+	f, err := os.Open(snap.LockPath())
+	if err != nil {
+		return nil, nil, fmt.Errorf("snapshot %q: %w", tag, err)
+	}
+	if err := unix.Flock(int(f.Fd()), unix.LOCK_SH|unix.LOCK_NB); err != nil {
+		f.Close()
+		return nil, nil, errdefs.FailedPrecondition("snapshot %q is being removed", tag)
+	}
+	// Removal renames the directory before deleting it; a lock taken on a
+	// renamed directory's file is worthless.
+	if _, err := os.Stat(snap.LockPath()); err != nil {
+		f.Close()
+		return nil, nil, errdefs.NotFound("snapshot %q was removed", tag)
+	}
+	return snap, &Ref{File: f}, nil
+}
+
+// InUse reports whether any process holds a reference on tag.
+func (s *Store) InUse(tag string) (bool, error) {
+	dir, err := s.path(tag)
+	if err != nil {
+		return false, err
+	}
+	f, err := os.Open(filepath.Join(dir, LockFile))
+	if err != nil {
+		if errors.Is(err, os.ErrNotExist) {
+			return false, errdefs.NotFound("snapshot %q not found", tag)
+		}
+		return false, err
+	}
+	defer f.Close()
+	if err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB); err != nil {
+		return true, nil
+	}
+	return false, nil
+}
+
+// Remove deletes the snapshot named tag. It fails with a
+// FailedPrecondition-class error while any VMM holds a reference.
+func (s *Store) Remove(tag string) error {
+	dir, err := s.path(tag)
+	if err != nil {
+		return err
+	}
+	if _, err := os.Stat(filepath.Join(dir, MetadataFile)); err != nil {
+		return errdefs.NotFound("snapshot %q not found", tag)
+	}
+	f, err := os.Open(filepath.Join(dir, LockFile))
+	if err != nil {
+		return fmt.Errorf("snapshot %q: %w", tag, err)
+	}
+	defer f.Close()
+	if err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB); err != nil {
+		return errdefs.FailedPrecondition("snapshot %q is in use by running sandboxes", tag)
+	}
+	trash, err := os.MkdirTemp(s.root, ".trash-"+tag+"-")
+	if err != nil {
+		return err
+	}
+	if err := os.Rename(dir, filepath.Join(trash, tag)); err != nil {
+		os.Remove(trash)
+		return fmt.Errorf("remove snapshot %q: %w", tag, err)
+	}
+	return os.RemoveAll(trash)
+}
+
+// Reclaim removes staging and trash directories whose owner died. It is
+// safe to run while other processes write snapshots.
+func (s *Store) Reclaim() error {
+	entries, err := os.ReadDir(s.root)
+	if err != nil {
+		return err
+	}
+	var errs []error
+	for _, e := range entries {
+		name := e.Name()
+		if !strings.HasPrefix(name, ".staging-") && !strings.HasPrefix(name, ".trash-") {
+			continue
+		}
+		dir := filepath.Join(s.root, name)
+		if strings.HasPrefix(name, ".staging-") && stagingLive(dir) {
+			continue
+		}
+		if err := os.RemoveAll(dir); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// stagingLive reports whether a staging dir's writer still holds it.
+func stagingLive(dir string) bool {
+	f, err := os.Open(filepath.Join(dir, LockFile))
+	if err != nil {
+		return false
+	}
+	defer f.Close()
+	return unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB) != nil
+}

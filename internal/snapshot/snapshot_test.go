@@ -1,0 +1,176 @@
+package snapshot
+
+import (
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/forkd/forkd/internal/errdefs"
+)
+
+func TestValidateTag(t *testing.T) {
+	good := []string{"a", "base", "py-3.11_numpy", "A1", strings.Repeat("x", MaxTagLen)}
+	for _, tag := range good {
+		if err := ValidateTag(tag); err != nil {
+			t.Errorf("ValidateTag(%q) = %v, want nil", tag, err)
+		}
+	}
+	bad := []string{"", "../x", "/etc", "a/b", "..", ".", ".hidden", "-x", "a b", "a\x00b", "tag\n",
+		strings.Repeat("x", 200), strings.Repeat("x", MaxTagLen+1), "ü"}
+	for _, tag := range bad {
+		err := ValidateTag(tag)
+		if err == nil {
+			t.Errorf("ValidateTag(%q) = nil, want error", tag)
+		} else if !errdefs.IsInvalidArgument(err) {
+			t.Errorf("ValidateTag(%q) = %v, want InvalidArgument", tag, err)
+		}
+	}
+}
+
+func writeSnapshot(t *testing.T, s *Store, tag string) *Snapshot {
+	t.Helper()
+	w, err := s.Create(tag)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range []string{w.MemoryPath(), w.StatePath()} {
+		if err := os.WriteFile(p, []byte("data of "+tag), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	snap, err := w.Commit(Metadata{Backend: "test", MemoryMiB: 256, VCPUs: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return snap
+}
+
+func TestCreateCommitGetList(t *testing.T) {
+	s, err := Open(t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	snap := writeSnapshot(t, s, "base")
+	if snap.Status != StatusReady || snap.Tag != "base" || snap.FormatVersion != FormatVersion {
+		t.Fatalf("committed snapshot %+v", snap.Metadata)
+	}
+	got, err := s.Get("base")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got.MemoryMiB != 256 || got.Dir != filepath.Join(s.Root(), "base") {
+		t.Fatalf("Get = %+v", got)
+	}
+	if _, err := s.Create("base"); !errdefs.IsAlreadyExists(err) {
+		t.Fatalf("second Create = %v, want AlreadyExists", err)
+	}
+	writeSnapshot(t, s, "other")
+	list, err := s.List()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(list) != 2 || list[0].Tag != "base" || list[1].Tag != "other" {
+		t.Fatalf("List = %v", list)
+	}
+	if _, err := s.Get("missing"); !errdefs.IsNotFound(err) {
+		t.Fatalf("Get(missing) = %v", err)
+	}
+	for _, tag := range []string{"../x", "/etc", "a/b", ""} {
+		if _, err := s.Get(tag); !errdefs.IsInvalidArgument(err) {
+			t.Errorf("Get(%q) = %v, want InvalidArgument", tag, err)
+		}
+		if _, err := s.Create(tag); !errdefs.IsInvalidArgument(err) {
+			t.Errorf("Create(%q) = %v, want InvalidArgument", tag, err)
+		}
+		if err := s.Remove(tag); !errdefs.IsInvalidArgument(err) {
+			t.Errorf("Remove(%q) = %v, want InvalidArgument", tag, err)
+		}
+	}
+}
+
+func TestConcurrentCommitSameTag(t *testing.T) {
+	s, _ := Open(t.TempDir())
+	w1, err := s.Create("t")
+	if err != nil {
+		t.Fatal(err)
+	}
+	w2, err := s.Create("t")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, w := range []*Writer{w1, w2} {
+		os.WriteFile(w.MemoryPath(), nil, 0o600)
+		os.WriteFile(w.StatePath(), nil, 0o600)
+	}
+	if _, err := w1.Commit(Metadata{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := w2.Commit(Metadata{}); !errdefs.IsAlreadyExists(err) {
+		t.Fatalf("second commit = %v, want AlreadyExists", err)
+	}
+	if _, err := os.Stat(w2.Dir()); !os.IsNotExist(err) {
+		t.Fatalf("losing staging dir left behind: %v", err)
+	}
+}
+
+func TestRemoveRefusedWhileReferenced(t *testing.T) {
+	s, _ := Open(t.TempDir())
+	writeSnapshot(t, s, "base")
+	_, ref, err := s.Acquire("base")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if inUse, _ := s.InUse("base"); !inUse {
+		t.Fatal("InUse = false with a live reference")
+	}
+	err = s.Remove("base")
+	if !errdefs.IsFailedPrecondition(err) || !strings.Contains(err.Error(), "in use") {
+		t.Fatalf("Remove while referenced = %v", err)
+	}
+	ref.Close()
+	if err := s.Remove("base"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Get("base"); !errdefs.IsNotFound(err) {
+		t.Fatalf("Get after Remove = %v", err)
+	}
+	if err := s.Remove("base"); !errdefs.IsNotFound(err) {
+		t.Fatalf("second Remove = %v", err)
+	}
+	entries, _ := os.ReadDir(s.Root())
+	if len(entries) != 0 {
+		t.Fatalf("store not empty after remove: %v", entries)
+	}
+}
+
+func TestAbortAndReclaim(t *testing.T) {
+	s, _ := Open(t.TempDir())
+	w, err := s.Create("x")
+	if err != nil {
+		t.Fatal(err)
+	}
+	// A live writer's staging dir survives Reclaim.
+	if err := s.Reclaim(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(w.Dir()); err != nil {
+		t.Fatalf("live staging dir reclaimed: %v", err)
+	}
+	// A dead writer's (lock released without cleanup) is removed.
+	w.lock.Close()
+	if err := s.Reclaim(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(w.Dir()); !os.IsNotExist(err) {
+		t.Fatalf("stale staging dir kept: %v", err)
+	}
+	w2, _ := s.Create("y")
+	w2.Abort()
+	if _, err := os.Stat(w2.Dir()); !os.IsNotExist(err) {
+		t.Fatal("Abort left the staging dir")
+	}
+	if _, err := s.Get("y"); !errdefs.IsNotFound(err) {
+		t.Fatalf("aborted snapshot visible: %v", err)
+	}
+}

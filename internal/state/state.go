@@ -1,0 +1,222 @@
+// Package state is forkd's durable record of sandboxes: an embedded bbolt
+// database in the data dir. Every change is committed (fsynced) before the
+// call returns.
+//
+// Two modes: a daemon keeps the database open (Open with Persistent); CLI
+// commands open it per transaction, so that a long-running command (an exec
+// streaming output) never holds the file lock that other commands need.
+package state
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"sort"
+	"sync"
+	"time"
+
+	bolt "go.etcd.io/bbolt"
+	bolterrors "go.etcd.io/bbolt/errors"
+
+	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/vmm"
+)
+
+// Sandbox statuses.
+const (
+	StatusStarting = "starting"
+	StatusRunning  = "running"
+	StatusDead     = "dead"
+	StatusOOM      = "oom"
+)
+
+// Sandbox is the persisted record of one sandbox.
+type Sandbox struct {
+	ID        string            `json:"id"`
+	Snapshot  string            `json:"snapshot"`
+	Status    string            `json:"status"`
+	Handle    vmm.Handle        `json:"handle"`
+	Created   time.Time         `json:"created"`
+	ReadyMS   int64             `json:"ready_ms,omitempty"`
+	ExpiresAt time.Time         `json:"expires_at,omitzero"`
+	Metadata  map[string]string `json:"metadata,omitempty"`
+	// Extra holds records owned by other packages (network, limits),
+	// keyed by package.
+	Extra map[string]json.RawMessage `json:"extra,omitempty"`
+}
+
+var bucketSandboxes = []byte("sandboxes")
+
+// Options configure Open.
+type Options struct {
+	// Persistent keeps the database open until Close (daemon mode).
+	Persistent bool
+	// LockTimeout bounds the wait for the file lock (default 10 s).
+	LockTimeout time.Duration
+}
+
+// Store is the sandbox database.
+type Store struct {
+	path string
+	opts Options
+
+	mu sync.Mutex // guards db
+	db *bolt.DB   // open in persistent mode only
+}
+
+// Open opens (creating if needed) the database at path.
+func Open(path string, opts Options) (*Store, error) {
+	if opts.LockTimeout == 0 {
+		opts.LockTimeout = 10 * time.Second
+	}
+	s := &Store{path: path, opts: opts}
+	db, err := s.open()
+	if err != nil {
+		return nil, err
+	}
+	if opts.Persistent {
+		s.db = db
+	} else {
+		db.Close()
+	}
+	return s, nil
+}
+
+func (s *Store) open() (*bolt.DB, error) {
+	db, err := bolt.Open(s.path, 0o600, &bolt.Options{Timeout: s.opts.LockTimeout})
+	if err != nil {
+		if errors.Is(err, bolterrors.ErrTimeout) {
+			return nil, errdefs.Unavailable("state database %s is locked by another forkd process (is `forkd serve` running? then use it: set FORKD_URL or its socket)", s.path)
+		}
+		return nil, fmt.Errorf("open state database: %w", err)
+	}
+	err = db.Update(func(tx *bolt.Tx) error {
+		_, err := tx.CreateBucketIfNotExists(bucketSandboxes)
+		return err
+	})
+	if err != nil {
+		db.Close()
+		return nil, err
+	}
+	return db, nil
+}
+
+// Close closes a persistent store.
+func (s *Store) Close() error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.db == nil {
+		return nil
+	}
+	err := s.db.Close()
+	s.db = nil
+	return err
+}
+
+func (s *Store) with(write bool, fn func(b *bolt.Bucket) error) error {
+	s.mu.Lock()
+	db := s.db
+	s.mu.Unlock()
+	if db == nil {
+		var err error
+		if db, err = s.open(); err != nil {
+			return err
+		}
+		defer db.Close()
+	}
+	if write {
+		return db.Update(func(tx *bolt.Tx) error { return fn(tx.Bucket(bucketSandboxes)) })
+	}
+	return db.View(func(tx *bolt.Tx) error { return fn(tx.Bucket(bucketSandboxes)) })
+}
+
+// Put stores sb, replacing any record with the same ID.
+func (s *Store) Put(sb *Sandbox) error {
+	b, err := json.Marshal(sb)
+	if err != nil {
+		return err
+	}
+	return s.with(true, func(bk *bolt.Bucket) error { return bk.Put([]byte(sb.ID), b) })
+}
+
+// PutAll stores several records in one transaction.
+func (s *Store) PutAll(sbs []*Sandbox) error {
+	return s.with(true, func(bk *bolt.Bucket) error {
+		for _, sb := range sbs {
+			b, err := json.Marshal(sb)
+			if err != nil {
+				return err
+			}
+			if err := bk.Put([]byte(sb.ID), b); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+}
+
+// Get returns the record of id.
+func (s *Store) Get(id string) (*Sandbox, error) {
+	var sb *Sandbox
+	err := s.with(false, func(bk *bolt.Bucket) error {
+		v := bk.Get([]byte(id))
+		if v == nil {
+			return errdefs.NotFound("sandbox %q not found", id)
+		}
+		sb = new(Sandbox)
+		return json.Unmarshal(v, sb)
+	})
+	return sb, err
+}
+
+// Update applies fn to the record of id inside one transaction.
+func (s *Store) Update(id string, fn func(*Sandbox) error) (*Sandbox, error) {
+	var sb *Sandbox
+	err := s.with(true, func(bk *bolt.Bucket) error {
+		v := bk.Get([]byte(id))
+		if v == nil {
+			return errdefs.NotFound("sandbox %q not found", id)
+		}
+		sb = new(Sandbox)
+		if err := json.Unmarshal(v, sb); err != nil {
+			return err
+		}
+		if err := fn(sb); err != nil {
+			return err
+		}
+		b, err := json.Marshal(sb)
+		if err != nil {
+			return err
+		}
+		return bk.Put([]byte(id), b)
+	})
+	return sb, err
+}
+
+// List returns every record, oldest first.
+func (s *Store) List() ([]*Sandbox, error) {
+	var out []*Sandbox
+	err := s.with(false, func(bk *bolt.Bucket) error {
+		return bk.ForEach(func(k, v []byte) error {
+			sb := new(Sandbox)
+			if err := json.Unmarshal(v, sb); err != nil {
+				return fmt.Errorf("record %q: %w", k, err)
+			}
+			out = append(out, sb)
+			return nil
+		})
+	})
+	sort.SliceStable(out, func(i, j int) bool {
+		if !out[i].Created.Equal(out[j].Created) {
+			return out[i].Created.Before(out[j].Created)
+		}
+		return out[i].ID < out[j].ID
+	})
+	return out, err
+}
+
+// Delete removes the record of id. Deleting a missing record is not an
+// error.
+func (s *Store) Delete(id string) error {
+	return s.with(true, func(bk *bolt.Bucket) error { return bk.Delete([]byte(id)) })
+}

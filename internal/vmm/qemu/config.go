@@ -1,0 +1,143 @@
+package qemu
+
+import (
+	"encoding/json"
+	"fmt"
+	"strconv"
+	"strings"
+
+	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/vmm"
+)
+
+// machineConfig is a machine's identity: everything a restored child must
+// repeat exactly for QEMU to accept the saved device state. It is stored
+// with a snapshot (vmm.Handle.Config) and never includes host paths.
+type machineConfig struct {
+	Version   string   `json:"qemu_version"`
+	Machine   string   `json:"machine"` // "microvm" or "q35"
+	Accel     string   `json:"accel"`   // "tcg" or "kvm"
+	TBSizeMiB int      `json:"tb_size_mib,omitempty"`
+	CPU       string   `json:"cpu"`
+	MemoryMiB int      `json:"memory_mib"`
+	VCPUs     int      `json:"vcpus"`
+	Disks     int      `json:"disks"`
+	NICs      []string `json:"nic_macs,omitempty"`
+	TSCkHz    int      `json:"tsc_khz,omitempty"`
+}
+
+func decodeConfig(b []byte) (machineConfig, error) {
+	var c machineConfig
+	if err := json.Unmarshal(b, &c); err != nil {
+		return c, errdefs.InvalidArgument("qemu machine config: %v", err)
+	}
+	if c.Machine != "microvm" && c.Machine != "q35" {
+		return c, errdefs.InvalidArgument("qemu machine config: unknown machine %q", c.Machine)
+	}
+	if c.MemoryMiB <= 0 || c.VCPUs <= 0 {
+		return c, errdefs.InvalidArgument("qemu machine config: bad shape %d MiB / %d vCPUs", c.MemoryMiB, c.VCPUs)
+	}
+	return c, nil
+}
+
+func (c machineConfig) encode() []byte {
+	b, _ := json.Marshal(c)
+	return b
+}
+
+// argv is a QEMU command line under construction.
+type argv []string
+
+func (a *argv) add(args ...string) { *a = append(*a, args...) }
+
+// identityArgs are the options that define the machine. Boot and restore
+// share them byte for byte.
+func (c machineConfig) identityArgs() argv {
+	var a argv
+	mtype := c.Machine + ",memory-backend=mem"
+	if c.Machine == "microvm" {
+		mtype = "microvm,pit=on,pic=on,rtc=on,memory-backend=mem"
+	}
+	accel := c.Accel
+	if c.Accel == "tcg" && c.TBSizeMiB > 0 {
+		accel += ",tb-size=" + strconv.Itoa(c.TBSizeMiB)
+	}
+	a.add("-M", mtype, "-accel", accel, "-cpu", c.CPU,
+		"-m", strconv.Itoa(c.MemoryMiB)+"M", "-smp", strconv.Itoa(c.VCPUs),
+		"-nodefaults", "-no-user-config", "-display", "none")
+	bus := c.bus()
+	a.add("-device", "virtio-serial-"+bus, "-device", "virtconsole,chardev=agent,id=con0")
+	for i := 0; i < c.Disks; i++ {
+		a.add("-device", fmt.Sprintf("virtio-blk-%s,drive=disk%d,id=blk%d", bus, i, i))
+	}
+	for i, mac := range c.NICs {
+		a.add("-device", fmt.Sprintf("virtio-net-%s,netdev=net%d,mac=%s,id=nic%d", bus, i, mac, i))
+	}
+	return a
+}
+
+func (c machineConfig) bus() string {
+	if c.Machine == "microvm" {
+		return "device"
+	}
+	return "pci"
+}
+
+// instance holds the per-process parts of a command line.
+type instance struct {
+	name       string
+	memoryFile string // "" for anonymous RAM
+	shared     bool   // MAP_SHARED (boot) or MAP_PRIVATE (restore)
+	console    string // serial log file, "" for none
+	disks      []vmm.Disk
+	nics       []vmm.NIC
+	incoming   bool
+}
+
+const (
+	qmpSocket   = "qmp.sock"
+	agentSocket = "agent.sock"
+	logFile     = "qemu.log"
+)
+
+// instanceArgs are the options that bind a machine to host resources.
+// Socket paths are relative: QEMU runs with its run dir as working
+// directory, which keeps them short whatever the data dir.
+func (c machineConfig) instanceArgs(in instance) argv {
+	var a argv
+	a.add("-name", in.name+",process=forkd-"+in.name)
+	size := strconv.Itoa(c.MemoryMiB) + "M"
+	if in.memoryFile == "" {
+		a.add("-object", "memory-backend-ram,id=mem,size="+size)
+	} else {
+		share := "off"
+		if in.shared {
+			share = "on"
+		}
+		a.add("-object", "memory-backend-file,id=mem,size="+size+",mem-path="+escapeOpt(in.memoryFile)+",share="+share)
+	}
+	a.add("-chardev", "socket,id=agent,path="+agentSocket+",server=on,wait=off")
+	a.add("-qmp", "unix:"+qmpSocket+",server=on,wait=off")
+	if in.console != "" {
+		a.add("-serial", "file:"+in.console)
+	} else {
+		a.add("-serial", "null")
+	}
+	for i, d := range in.disks {
+		opt := fmt.Sprintf("file=%s,if=none,id=disk%d,format=raw", escapeOpt(d.Path), i)
+		if d.ReadOnly {
+			opt += ",readonly=on"
+		}
+		a.add("-drive", opt)
+	}
+	for i, n := range in.nics {
+		a.add("-netdev", fmt.Sprintf("tap,id=net%d,ifname=%s,script=no,downscript=no", i, n.Tap))
+	}
+	if in.incoming {
+		a.add("-incoming", "defer")
+	}
+	return a
+}
+
+// escapeOpt doubles commas, QEMU's option-value escape.
+func escapeOpt(s string) string { return strings.ReplaceAll(s, ",", ",,") }

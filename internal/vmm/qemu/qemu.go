@@ -1,0 +1,413 @@
+// Package qemu is the QEMU backend of package vmm: KVM where /dev/kvm works,
+// TCG (software emulation) elsewhere.
+//
+// A booted parent maps its RAM from a file with share=on; a snapshot is QMP
+// stop + migrate with x-ignore-shared (device state only, the RAM stays in
+// the file). A restored child repeats the parent's machine identity with
+// share=off (MAP_PRIVATE), starts with -incoming defer, and loads the state
+// through an fd passed over QMP. Children never get a balloon, virtio-mem or
+// any RAM discard: QEMU 7.2 punches holes in the shared file even with
+// share=off, corrupting every sibling.
+package qemu
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/vmm"
+)
+
+// Options configure the backend. Zero values pick sensible defaults.
+type Options struct {
+	// Binary is the qemu-system-x86_64 to run.
+	Binary string
+	// Accel is "kvm", "tcg" or "auto" (KVM when usable).
+	Accel string
+	// Machine is "microvm" (default) or "q35".
+	Machine string
+	// TBSizeMiB is the TCG translation cache per VM (default 16).
+	TBSizeMiB int
+	// Sandbox enables QEMU's seccomp filter (-sandbox on).
+	Sandbox bool
+}
+
+// Backend drives QEMU processes.
+type Backend struct {
+	opts   Options
+	accel  string
+	reason string
+
+	verOnce sync.Once
+	version string
+	verErr  error
+}
+
+var (
+	_ vmm.Backend = (*Backend)(nil)
+	_ vmm.Parker  = (*Backend)(nil)
+	_ vmm.Machine = (*Machine)(nil)
+	_ vmm.Parked  = (*parked)(nil)
+)
+
+// New returns a QEMU backend. It resolves the binary and accelerator now so
+// that a misconfigured host fails early.
+func New(opts Options) (*Backend, error) {
+	if opts.Binary == "" {
+		opts.Binary = "qemu-system-x86_64"
+	}
+	bin, err := exec.LookPath(opts.Binary)
+	if err != nil {
+		return nil, errdefs.FailedPrecondition("qemu binary %q not found (install qemu-system-x86)", opts.Binary)
+	}
+	opts.Binary = bin
+	if opts.Machine == "" {
+		opts.Machine = "microvm"
+	}
+	if opts.Machine != "microvm" && opts.Machine != "q35" {
+		return nil, errdefs.InvalidArgument("qemu machine %q: want microvm or q35", opts.Machine)
+	}
+	if opts.TBSizeMiB == 0 {
+		opts.TBSizeMiB = 16
+	}
+	b := &Backend{opts: opts}
+	switch opts.Accel {
+	case "", "auto":
+		if ok, why := kvmUsable(); ok {
+			b.accel, b.reason = "kvm", why
+		} else {
+			b.accel, b.reason = "tcg", "KVM not usable: "+why
+		}
+	case "kvm", "tcg":
+		b.accel, b.reason = opts.Accel, "requested"
+	default:
+		return nil, errdefs.InvalidArgument("accelerator %q: want kvm, tcg or auto", opts.Accel)
+	}
+	return b, nil
+}
+
+// Name implements vmm.Backend.
+func (b *Backend) Name() string { return "qemu" }
+
+// AccelReason says why the accelerator was chosen.
+func (b *Backend) AccelReason() string { return b.reason }
+
+// Capabilities implements vmm.Backend.
+func (b *Backend) Capabilities() vmm.Capabilities {
+	return vmm.Capabilities{BootMemoryInFile: true, Park: true, Accelerator: b.accel}
+}
+
+var versionRE = regexp.MustCompile(`version (\d+\.\d+(\.\d+)?)`)
+
+// Version implements vmm.Backend.
+func (b *Backend) Version(ctx context.Context) (string, error) {
+	b.verOnce.Do(func() {
+		out, err := exec.CommandContext(ctx, b.opts.Binary, "--version").Output()
+		if err != nil {
+			b.verErr = fmt.Errorf("qemu --version: %w", err)
+			return
+		}
+		m := versionRE.FindSubmatch(out)
+		if m == nil {
+			b.verErr = fmt.Errorf("qemu --version: unrecognised output %q", out)
+			return
+		}
+		b.version = string(m[1])
+	})
+	return b.version, b.verErr
+}
+
+func (b *Backend) newConfig(ctx context.Context, spec vmm.BootSpec) (machineConfig, error) {
+	ver, err := b.Version(ctx)
+	if err != nil {
+		return machineConfig{}, err
+	}
+	c := machineConfig{
+		Version:   ver,
+		Machine:   b.opts.Machine,
+		Accel:     b.accel,
+		MemoryMiB: spec.Resources.MemoryMiB,
+		VCPUs:     spec.Resources.VCPUs,
+		Disks:     len(spec.Disks),
+	}
+	for _, n := range spec.NICs {
+		c.NICs = append(c.NICs, n.MAC)
+	}
+	if b.accel == "tcg" {
+		c.TBSizeMiB = b.opts.TBSizeMiB
+		c.CPU = "qemu64,+arat"
+		if c.Machine == "microvm" {
+			c.TSCkHz = hostTSCkHz()
+			if c.TSCkHz == 0 {
+				return c, errdefs.FailedPrecondition("cannot tell the host TSC rate that microvm under TCG needs; set FORKD_TSC_KHZ or use the q35 machine")
+			}
+		}
+	} else {
+		c.CPU = "host"
+	}
+	return c, nil
+}
+
+// Boot implements vmm.Backend.
+func (b *Backend) Boot(ctx context.Context, spec vmm.BootSpec) (vmm.Machine, error) {
+	if spec.Resources.MemoryMiB < 64 || spec.Resources.VCPUs < 1 {
+		return nil, errdefs.InvalidArgument("machine shape %d MiB / %d vCPUs: need at least 64 MiB and 1 vCPU", spec.Resources.MemoryMiB, spec.Resources.VCPUs)
+	}
+	if spec.Kernel == "" {
+		return nil, errdefs.InvalidArgument("boot: no kernel")
+	}
+	cfg, err := b.newConfig(ctx, spec)
+	if err != nil {
+		return nil, err
+	}
+	cmdline := append([]string{"console=ttyS0", "panic=-1", "quiet", "nowatchdog", "nosoftlockup"}, spec.Cmdline...)
+	if cfg.TSCkHz > 0 {
+		cmdline = append(cmdline, fmt.Sprintf("tsc_early_khz=%d", cfg.TSCkHz))
+	}
+	args := cfg.identityArgs()
+	args.add(cfg.instanceArgs(instance{
+		name:       spec.Name,
+		memoryFile: spec.MemoryFile,
+		shared:     true,
+		console:    spec.ConsoleLog,
+		disks:      spec.Disks,
+		nics:       spec.NICs,
+	})...)
+	args.add("-kernel", spec.Kernel, "-append", strings.Join(cmdline, " "))
+	if spec.Initrd != "" {
+		args.add("-initrd", spec.Initrd)
+	}
+	m, err := b.start(ctx, spec.RunDir, cfg, args, nil, spec.Launch)
+	if err != nil {
+		return nil, err
+	}
+	m.memoryFile = spec.MemoryFile
+	q, err := m.monitor(ctx)
+	if err != nil {
+		return nil, m.fail(err)
+	}
+	q.close()
+	return m, nil
+}
+
+// Park implements vmm.Parker: it starts QEMU with -incoming defer, waiting
+// for a snapshot's state.
+func (b *Backend) Park(ctx context.Context, spec vmm.ParkSpec) (vmm.Parked, error) {
+	cfg, err := decodeConfig(spec.Config)
+	if err != nil {
+		return nil, err
+	}
+	if err := b.compatible(ctx, cfg); err != nil {
+		return nil, err
+	}
+	if len(spec.Disks) != cfg.Disks || len(spec.NICs) != len(cfg.NICs) {
+		return nil, errdefs.InvalidArgument("restore needs %d disks and %d NICs like its snapshot, got %d and %d", cfg.Disks, len(cfg.NICs), len(spec.Disks), len(spec.NICs))
+	}
+	if _, err := os.Stat(spec.MemoryFile); err != nil {
+		return nil, errdefs.NotFound("memory file: %v", err)
+	}
+	args := cfg.identityArgs()
+	args.add(cfg.instanceArgs(instance{
+		name:       spec.Name,
+		memoryFile: spec.MemoryFile,
+		shared:     false,
+		disks:      spec.Disks,
+		nics:       spec.NICs,
+		incoming:   true,
+	})...)
+	m, err := b.start(ctx, spec.RunDir, cfg, args, spec.Hold, spec.Launch)
+	if err != nil {
+		return nil, err
+	}
+	m.memoryFile = spec.MemoryFile
+	q, err := m.monitor(ctx)
+	if err != nil {
+		return nil, m.fail(err)
+	}
+	if err := q.execute(ctx, "migrate-set-capabilities", ignoreShared, nil, -1); err != nil {
+		q.close()
+		return nil, m.fail(err)
+	}
+	return &parked{m: m, q: q}, nil
+}
+
+// compatible checks that a snapshot's machine can run here.
+func (b *Backend) compatible(ctx context.Context, cfg machineConfig) error {
+	ver, err := b.Version(ctx)
+	if err != nil {
+		return err
+	}
+	if majorMinor(ver) != majorMinor(cfg.Version) {
+		return errdefs.FailedPrecondition("snapshot was made by QEMU %s; this host has %s", cfg.Version, ver)
+	}
+	if cfg.Accel != b.accel {
+		return errdefs.FailedPrecondition("snapshot was made under %s; this backend uses %s", cfg.Accel, b.accel)
+	}
+	return nil
+}
+
+func majorMinor(v string) string {
+	parts := strings.SplitN(v, ".", 3)
+	if len(parts) < 2 {
+		return v
+	}
+	return parts[0] + "." + parts[1]
+}
+
+// Restore implements vmm.Backend.
+func (b *Backend) Restore(ctx context.Context, spec vmm.RestoreSpec) (vmm.Machine, error) {
+	p, err := b.Park(ctx, vmm.ParkSpec{
+		Name: spec.Name, RunDir: spec.RunDir, Config: spec.Config,
+		MemoryFile: spec.MemoryFile, Disks: spec.Disks, NICs: spec.NICs,
+		Hold: spec.Hold, Launch: spec.Launch,
+	})
+	if err != nil {
+		return nil, err
+	}
+	return p.Restore(ctx, spec)
+}
+
+// parked is a QEMU process in -incoming defer, its monitor negotiated.
+type parked struct {
+	mu sync.Mutex
+	m  *Machine
+	q  *qmp // nil once used
+}
+
+// Restore implements vmm.Parked. Only spec.StateFile is read; the rest was
+// fixed by Park.
+func (p *parked) Restore(ctx context.Context, spec vmm.RestoreSpec) (vmm.Machine, error) {
+	p.mu.Lock()
+	q := p.q
+	p.q = nil
+	p.mu.Unlock()
+	if q == nil {
+		return nil, errdefs.FailedPrecondition("parked machine already used")
+	}
+	defer q.close()
+	m := p.m
+	state, err := os.Open(spec.StateFile)
+	if err != nil {
+		return nil, m.fail(errdefs.NotFound("state file: %v", err))
+	}
+	defer state.Close()
+	if err := q.execute(ctx, "getfd", map[string]any{"fdname": "state"}, nil, int(state.Fd())); err != nil {
+		return nil, m.fail(err)
+	}
+	if err := q.execute(ctx, "migrate-incoming", map[string]any{"uri": "fd:state"}, nil, -1); err != nil {
+		return nil, m.fail(err)
+	}
+	if err := q.waitMigration(ctx); err != nil {
+		return nil, m.fail(err)
+	}
+	if err := q.execute(ctx, "cont", nil, nil, -1); err != nil {
+		return nil, m.fail(err)
+	}
+	return m, nil
+}
+
+// Discard implements vmm.Parked.
+func (p *parked) Discard(ctx context.Context) error {
+	p.mu.Lock()
+	if p.q != nil {
+		p.q.close()
+		p.q = nil
+	}
+	p.mu.Unlock()
+	return p.m.Stop(ctx)
+}
+
+// start launches QEMU detached (own session) in runDir and records its
+// identity. extra files become fds 3, 4, ... in QEMU and stay open for its
+// life.
+func (b *Backend) start(ctx context.Context, runDir string, cfg machineConfig, args argv, extra []*os.File, launch vmm.Launch) (*Machine, error) {
+	if runDir == "" {
+		return nil, errdefs.InvalidArgument("no run dir")
+	}
+	if err := os.MkdirAll(runDir, 0o700); err != nil {
+		return nil, err
+	}
+	if b.opts.Sandbox {
+		args.add("-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny")
+	}
+	logf, err := os.OpenFile(filepath.Join(runDir, logFile), os.O_CREATE|os.O_WRONLY|os.O_TRUNC, 0o600)
+	if err != nil {
+		os.RemoveAll(runDir)
+		return nil, err
+	}
+	defer logf.Close()
+	cmd, cleanup, err := launchCommand(b.opts.Binary, args, launch)
+	if err != nil {
+		os.RemoveAll(runDir)
+		return nil, err
+	}
+	defer cleanup()
+	cmd.Dir = runDir
+	cmd.Stdout = logf
+	cmd.Stderr = logf
+	cmd.ExtraFiles = extra
+	if err := cmd.Start(); err != nil {
+		os.RemoveAll(runDir)
+		return nil, fmt.Errorf("start qemu: %w", err)
+	}
+	m := newChild(b, cmd, runDir, cfg)
+	if m.handle.Process.StartTime == 0 {
+		return nil, m.fail(fmt.Errorf("qemu exited at once"))
+	}
+	return m, nil
+}
+
+// logTail returns the end of a machine's QEMU log, for error messages.
+func logTail(runDir string) string {
+	b, err := os.ReadFile(filepath.Join(runDir, logFile))
+	if err != nil {
+		return ""
+	}
+	b = bytes.TrimSpace(b)
+	if len(b) > 600 {
+		b = b[len(b)-600:]
+	}
+	return string(b)
+}
+
+// launchCommand builds the exec.Cmd that starts QEMU as launch describes.
+// The returned cleanup releases anything opened for the start.
+func launchCommand(bin string, args argv, launch vmm.Launch) (*exec.Cmd, func(), error) {
+	cmd := exec.Command(bin, args...)
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+	if launch.UID != 0 || launch.GID != 0 {
+		cmd.SysProcAttr.Credential = &syscall.Credential{Uid: launch.UID, Gid: launch.GID}
+	}
+	if launch.CgroupFD > 0 {
+		cmd.SysProcAttr.UseCgroupFD = true
+		cmd.SysProcAttr.CgroupFD = launch.CgroupFD
+	}
+	if launch.NetNS != "" || len(launch.CgroupProcs) > 0 {
+		return nil, func() {}, errdefs.NotImplemented("netns and cgroup v1 placement are not wired yet")
+	}
+	return cmd, func() {}, nil
+}
+
+var errStopped = errors.New("machine stopped")
+
+// sleepCtx waits d or until ctx ends.
+func sleepCtx(ctx context.Context, d time.Duration) error {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-t.C:
+		return nil
+	}
+}

@@ -1,0 +1,188 @@
+package qemu
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"sync"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/forkd/forkd/internal/errdefs"
+)
+
+// qmp is a client for one QEMU Machine Protocol connection. Commands are
+// sent one at a time (guarded by mu); asynchronous events are dropped, since
+// forkd polls state instead of relying on event delivery.
+type qmp struct {
+	conn *net.UnixConn
+	mu   sync.Mutex // guards r, and the write/read pairing of a command
+	r    *bufio.Reader
+}
+
+type qmpError struct {
+	Class string `json:"class"`
+	Desc  string `json:"desc"`
+}
+
+type qmpReply struct {
+	Return json.RawMessage `json:"return"`
+	Error  *qmpError       `json:"error"`
+	Event  string          `json:"event"`
+	QMP    json.RawMessage `json:"QMP"`
+}
+
+// dialQMP connects to the QMP socket at path, retrying until the socket
+// accepts or ctx ends, then negotiates capabilities.
+func dialQMP(ctx context.Context, path string, exited func() bool) (*qmp, error) {
+	var conn *net.UnixConn
+	for {
+		c, err := dialUnix(ctx, path)
+		if err == nil {
+			conn = c
+			break
+		}
+		if exited != nil && exited() {
+			return nil, errdefs.Unavailable("qemu exited before its monitor answered")
+		}
+		select {
+		case <-ctx.Done():
+			return nil, fmt.Errorf("connect qmp: %w (last: %v)", ctx.Err(), err)
+		case <-time.After(2 * time.Millisecond):
+		}
+	}
+	q := &qmp{conn: conn, r: bufio.NewReaderSize(conn, 64<<10)}
+	stop := context.AfterFunc(ctx, func() { conn.SetDeadline(time.Now()) })
+	defer stop()
+	var greet qmpReply
+	if err := q.read(&greet); err != nil {
+		conn.Close()
+		return nil, fmt.Errorf("qmp greeting: %w", err)
+	}
+	if greet.QMP == nil {
+		conn.Close()
+		return nil, fmt.Errorf("qmp greeting: unexpected message")
+	}
+	if err := q.execute(ctx, "qmp_capabilities", nil, nil, -1); err != nil {
+		conn.Close()
+		return nil, err
+	}
+	return q, nil
+}
+
+func (q *qmp) close() error { return q.conn.Close() }
+
+// read reads the next reply or event line.
+func (q *qmp) read(v *qmpReply) error {
+	line, err := q.r.ReadBytes('\n')
+	if err != nil {
+		return err
+	}
+	*v = qmpReply{}
+	return json.Unmarshal(line, v)
+}
+
+// execute runs cmd with args and decodes its return value into out (if not
+// nil). If fd >= 0 it is passed along with the command (SCM_RIGHTS), as
+// getfd needs.
+func (q *qmp) execute(ctx context.Context, cmd string, args, out any, fd int) error {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	req := map[string]any{"execute": cmd}
+	if args != nil {
+		req["arguments"] = args
+	}
+	msg, err := json.Marshal(req)
+	if err != nil {
+		return err
+	}
+	if dl, ok := ctx.Deadline(); ok {
+		q.conn.SetDeadline(dl)
+	} else {
+		q.conn.SetDeadline(time.Time{})
+	}
+	stop := context.AfterFunc(ctx, func() { q.conn.SetDeadline(time.Now()) })
+	defer stop()
+	var oob []byte
+	if fd >= 0 {
+		oob = unix.UnixRights(fd)
+	}
+	if _, _, err := q.conn.WriteMsgUnix(append(msg, '\n'), oob, nil); err != nil {
+		return q.ioErr(ctx, cmd, err)
+	}
+	for {
+		var rep qmpReply
+		if err := q.read(&rep); err != nil {
+			return q.ioErr(ctx, cmd, err)
+		}
+		if rep.Event != "" {
+			continue
+		}
+		if rep.Error != nil {
+			return fmt.Errorf("qmp %s: %s: %s", cmd, rep.Error.Class, rep.Error.Desc)
+		}
+		if out != nil && rep.Return != nil {
+			if err := json.Unmarshal(rep.Return, out); err != nil {
+				return fmt.Errorf("qmp %s: decode reply: %w", cmd, err)
+			}
+		}
+		return nil
+	}
+}
+
+func (q *qmp) ioErr(ctx context.Context, cmd string, err error) error {
+	if ctx.Err() != nil {
+		return fmt.Errorf("qmp %s: %w", cmd, ctx.Err())
+	}
+	if errors.Is(err, net.ErrClosed) {
+		return errdefs.Unavailable("qmp %s: connection closed", cmd)
+	}
+	return errdefs.Unavailable("qmp %s: %v", cmd, err)
+}
+
+// migrationStatus is the part of query-migrate forkd reads.
+type migrationStatus struct {
+	Status      string `json:"status"`
+	ErrorDesc   string `json:"error-desc"`
+	TotalTimeMS int64  `json:"total-time"`
+}
+
+// waitMigration polls query-migrate until the migration completes or fails.
+func (q *qmp) waitMigration(ctx context.Context) error {
+	for {
+		var st migrationStatus
+		if err := q.execute(ctx, "query-migrate", nil, &st, -1); err != nil {
+			return err
+		}
+		switch st.Status {
+		case "completed":
+			return nil
+		case "failed", "cancelled":
+			return fmt.Errorf("migration %s: %s", st.Status, st.ErrorDesc)
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("migration: %w", ctx.Err())
+		case <-time.After(3 * time.Millisecond):
+		}
+	}
+}
+
+// runStatus returns QEMU's run state ("running", "paused", "inmigrate", ...).
+func (q *qmp) runStatus(ctx context.Context) (string, error) {
+	var st struct {
+		Status string `json:"status"`
+	}
+	if err := q.execute(ctx, "query-status", nil, &st, -1); err != nil {
+		return "", err
+	}
+	return st.Status, nil
+}
+
+var ignoreShared = map[string]any{
+	"capabilities": []map[string]any{{"capability": "x-ignore-shared", "state": true}},
+}

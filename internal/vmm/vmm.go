@@ -1,0 +1,239 @@
+// Package vmm defines the small interface every virtual machine monitor
+// backend implements, and the specs that describe what to start.
+//
+// A Backend starts Machines in two ways: Boot (a fresh VM whose RAM lives in a
+// file that can become a snapshot) and Restore (a VM whose RAM is mapped
+// copy-on-write from a snapshot's memory file, with its device state loaded).
+// Attach re-adopts a Machine started earlier, possibly by another process,
+// from its persisted Handle: VMs run detached from whoever started them.
+//
+// Nothing here names QMP, HTTP or any other backend protocol. Backends are
+// chosen in one factory (package vmm/backend), never by init side effects.
+package vmm
+
+import (
+	"context"
+	"net"
+	"os"
+	"time"
+
+	"github.com/forkd/forkd/internal/proc"
+)
+
+// Backend starts and re-adopts machines of one VMM kind.
+type Backend interface {
+	// Name is the backend's stable name ("qemu", "firecracker").
+	Name() string
+
+	// Version returns the VMM's version string, recorded in snapshots: a
+	// snapshot only restores under the same backend and version line.
+	Version(ctx context.Context) (string, error)
+
+	// Capabilities says which optional behaviour the backend has.
+	Capabilities() Capabilities
+
+	// Boot starts a fresh VM. It returns once the VMM process runs and its
+	// control channel answers; the guest may still be booting. If
+	// spec.MemoryFile is set, guest RAM is a shared mapping of that file (or
+	// is written there by SaveState, see Capabilities.BootMemoryInFile).
+	// On error nothing is left running.
+	Boot(ctx context.Context, spec BootSpec) (Machine, error)
+
+	// Restore starts a VM from a saved snapshot: RAM mapped privately
+	// (copy-on-write) from spec.MemoryFile, device state loaded from
+	// spec.StateFile, and the guest resumed. It returns once the guest
+	// runs. The memory file is never written. On error nothing is left
+	// running.
+	Restore(ctx context.Context, spec RestoreSpec) (Machine, error)
+
+	// Attach re-adopts a machine from its Handle. It fails with a
+	// NotFound-class error when that VMM process is gone.
+	Attach(ctx context.Context, h Handle) (Machine, error)
+}
+
+// Machine is one running VM. Methods are safe for concurrent use unless
+// noted. After Stop returns, every method but Handle, Stop and Wait fails
+// with an error of class FailedPrecondition.
+type Machine interface {
+	// Handle returns what is needed to Attach to this machine later.
+	Handle() Handle
+
+	// Pause stops the guest's vCPUs. Idempotent.
+	Pause(ctx context.Context) error
+
+	// Resume restarts the guest's vCPUs. Idempotent.
+	Resume(ctx context.Context) error
+
+	// SaveState writes the machine's device state to spec.StateFile. The
+	// machine must be paused. RAM is not included when it already lives in
+	// a file (Capabilities.BootMemoryInFile); otherwise it is written to
+	// spec.MemoryFile. The machine stays paused.
+	SaveState(ctx context.Context, spec SaveSpec) error
+
+	// Memory describes where guest RAM is mapped in the VMM process, so a
+	// caller can find the pages the guest wrote (via /proc/PID/pagemap).
+	Memory(ctx context.Context) (MemoryMap, error)
+
+	// DialAgent connects to the guest agent's channel. The caller owns
+	// the connection; at most one is served at a time, later ones queue.
+	DialAgent(ctx context.Context) (net.Conn, error)
+
+	// Stop ends the VMM process and removes its runtime files. Idempotent;
+	// safe on a machine whose process already died.
+	Stop(ctx context.Context) error
+
+	// Wait blocks until the VMM process exits or ctx ends.
+	Wait(ctx context.Context) (ExitStatus, error)
+}
+
+// Parker is implemented by backends that can start a VMM process ahead of
+// time and restore into it later, cutting process start-up off the fork
+// path.
+type Parker interface {
+	// Park starts a VMM process ready to receive spec's snapshot.
+	Park(ctx context.Context, spec ParkSpec) (Parked, error)
+}
+
+// Parked is a VMM process waiting for a snapshot.
+type Parked interface {
+	// Restore loads the snapshot into the parked process and resumes it.
+	// A Parked is used at most once.
+	Restore(ctx context.Context, spec RestoreSpec) (Machine, error)
+	// Discard stops the parked process. Idempotent.
+	Discard(ctx context.Context) error
+}
+
+// Capabilities lists optional behaviour of a backend.
+type Capabilities struct {
+	// BootMemoryInFile: a booted machine's RAM is a shared mapping of
+	// BootSpec.MemoryFile, so SaveState writes device state only.
+	BootMemoryInFile bool `json:"boot_memory_in_file"`
+	// Park: the backend implements Parker.
+	Park bool `json:"park"`
+	// Accelerator in use: "kvm" or "tcg".
+	Accelerator string `json:"accelerator"`
+}
+
+// Handle is the persisted identity of a running machine.
+type Handle struct {
+	Backend string        `json:"backend"`
+	Process proc.Identity `json:"process"`
+	// RunDir holds the machine's sockets and logs; it is removed by Stop.
+	RunDir string `json:"run_dir"`
+	// Config is the backend's own description of the machine (for QEMU,
+	// its argv identity), opaque to callers.
+	Config []byte `json:"config,omitempty"`
+}
+
+// Resources are the machine's shape; snapshot and child must agree.
+type Resources struct {
+	MemoryMiB int `json:"memory_mib"`
+	VCPUs     int `json:"vcpus"`
+}
+
+// Disk is a block device given to the guest. Index 0 is the guest's
+// /dev/vda.
+type Disk struct {
+	Path     string `json:"path"`
+	ReadOnly bool   `json:"read_only"`
+}
+
+// NIC attaches the guest to a tap device in the netns the VMM runs in.
+type NIC struct {
+	Tap string `json:"tap"`
+	MAC string `json:"mac"`
+}
+
+// Launch is how the VMM process is placed on the host.
+type Launch struct {
+	// NetNS, if set, is a path (/run/netns/NAME) the VMM starts inside.
+	NetNS string
+	// CgroupFD, if > 0, is a cgroup v2 directory fd the VMM starts in.
+	CgroupFD int
+	// CgroupProcs lists cgroup.procs files (v1) the VMM is placed into
+	// before it runs guest code.
+	CgroupProcs []string
+	// UID/GID, when non-zero, drop the VMM's privileges.
+	UID, GID uint32
+}
+
+// BootSpec describes a fresh VM.
+type BootSpec struct {
+	Name      string // for logs and process titles
+	RunDir    string // created by the backend if missing; removed by Stop
+	Resources Resources
+	Kernel    string
+	Initrd    string
+	Cmdline   []string
+	Disks     []Disk
+	NICs      []NIC
+	// MemoryFile, if set, backs guest RAM (see Backend.Boot). Empty means
+	// anonymous RAM: the machine can run but not be snapshotted.
+	MemoryFile string
+	// ConsoleLog, if set, receives the guest's serial console.
+	ConsoleLog string
+	Launch     Launch
+}
+
+// RestoreSpec describes a VM restored from a snapshot.
+type RestoreSpec struct {
+	Name   string
+	RunDir string
+	// Config is the snapshot's machine identity as returned by
+	// Machine.Handle().Config of the machine it was saved from.
+	Config     []byte
+	MemoryFile string
+	StateFile  string
+	Disks      []Disk
+	NICs       []NIC
+	// Hold are files the VMM process keeps open for its whole life (a
+	// snapshot's reference lock); the caller may close its copies once
+	// Restore returns.
+	Hold   []*os.File
+	Launch Launch
+}
+
+// ParkSpec is the part of a RestoreSpec known before the device state is
+// loaded.
+type ParkSpec struct {
+	Name       string
+	RunDir     string
+	Config     []byte
+	MemoryFile string
+	Disks      []Disk
+	NICs       []NIC
+	Hold       []*os.File
+	Launch     Launch
+}
+
+// SaveSpec says where SaveState writes.
+type SaveSpec struct {
+	StateFile  string
+	MemoryFile string
+}
+
+// MemoryMap locates guest RAM inside the VMM process.
+type MemoryMap struct {
+	PID int
+	// Regions are the host virtual address ranges holding guest RAM, in
+	// guest-physical order.
+	Regions []Region
+	// File is the file the RAM is mapped from ("" for anonymous).
+	File string
+}
+
+// Region is one contiguous mapping of guest RAM.
+type Region struct {
+	HostAddr  uint64
+	GuestAddr uint64
+	Size      uint64
+}
+
+// ExitStatus describes how a VMM process ended, as far as is known.
+type ExitStatus struct {
+	Exited   bool
+	Code     int    // valid when Exited and known
+	Signal   string // e.g. "killed", when known
+	Known    bool   // false when the process was not our child
+	ExitedAt time.Time
+}

@@ -1,0 +1,295 @@
+package proto
+
+import (
+	"encoding/json"
+	"fmt"
+	"time"
+
+	"github.com/forkd/forkd/internal/errdefs"
+)
+
+// Protocol versions. A host and an agent talk when each one's version is at
+// least the other's minimum.
+const (
+	ProtocolVersion    = 1
+	MinProtocolVersion = 1
+)
+
+// CheckVersions returns a FailedPrecondition error naming both sides'
+// versions when they cannot talk, nil otherwise.
+func CheckVersions(host, hostMin, agent, agentMin int) error {
+	if host < agentMin || agent < hostMin {
+		return errdefs.FailedPrecondition(
+			"agent protocol mismatch: host speaks v%d (accepts v%d and up), agent speaks v%d (accepts v%d and up)",
+			host, hostMin, agent, agentMin)
+	}
+	return nil
+}
+
+// Features an agent may announce in HelloAck and PingResult.
+const (
+	FeatureExec      = "exec"
+	FeatureFiles     = "files"
+	FeatureProcesses = "processes"
+	FeatureEval      = "eval" // a Python interpreter is configured
+)
+
+// Operations named in Request.Op.
+const (
+	OpPing           = "ping"           // nothing → PingResult
+	OpInit           = "init"           // InitRequest → nothing
+	OpExec           = "exec"           // ExecRequest, stdin data → stdout/stderr data, ExecResult
+	OpProcessList    = "processes.list" // nothing → ProcessList
+	OpProcessWait    = "processes.wait" // ProcessRef → ExecResult
+	OpProcessSignal  = "processes.signal"
+	OpProcessKill    = "processes.kill"    // ProcessRef → nothing
+	OpProcessConnect = "processes.connect" // ProcessRef → stdout/stderr data, ExecResult
+	OpProcessStdin   = "processes.stdin"   // StdinRequest → nothing
+	OpFileRead       = "files.read"        // PathRequest → file data, FileInfo
+	OpFileWrite      = "files.write"       // WriteRequest, file data → FileInfo
+	OpFileList       = "files.list"        // ListRequest → ListResult
+	OpFileStat       = "files.stat"        // PathRequest → FileInfo
+	OpFileMkdir      = "files.mkdir"       // PathRequest → MkdirResult
+	OpFileRemove     = "files.remove"      // RemoveRequest → nothing
+	OpFileRename     = "files.rename"      // RenameRequest → nothing
+	OpEval           = "eval"              // EvalRequest → stdout/stderr data, EvalResult
+)
+
+// Hello opens a session (TypeHello). A new nonce starts a new session and
+// cancels the previous session's foreground requests; a repeated nonce is
+// only acknowledged again.
+type Hello struct {
+	Version    int    `json:"version"`
+	MinVersion int    `json:"min_version"`
+	Nonce      string `json:"nonce"`
+}
+
+// HelloAck answers a Hello (TypeHelloAck), echoing its nonce. Error is set
+// when the agent refuses the session (versions).
+type HelloAck struct {
+	Version      int      `json:"version"`
+	MinVersion   int      `json:"min_version"`
+	Nonce        string   `json:"nonce"`
+	AgentVersion string   `json:"agent_version"`
+	Features     []string `json:"features,omitempty"`
+	Error        *Error   `json:"error,omitempty"`
+}
+
+// Request opens request id (TypeRequest).
+type Request struct {
+	Op   string          `json:"op"`
+	Args json.RawMessage `json:"args,omitempty"`
+}
+
+// Result ends request id (TypeResult): either Result or Error is set.
+type Result struct {
+	Result json.RawMessage `json:"result,omitempty"`
+	Error  *Error          `json:"error,omitempty"`
+}
+
+// Event reports progress of request id (TypeEvent).
+type Event struct {
+	// Kind is "started" (PID set) for exec.
+	Kind string `json:"kind"`
+	PID  int    `json:"pid,omitempty"`
+}
+
+// Error is an error on the wire: an errdefs code and a message.
+type Error struct {
+	Code    string `json:"code"`
+	Message string `json:"message"`
+}
+
+// ErrorOf encodes err.
+func ErrorOf(err error) *Error {
+	return &Error{Code: errdefs.Code(err), Message: err.Error()}
+}
+
+// Err decodes e into an error of its errdefs class.
+func (e *Error) Err() error { return errdefs.FromCode(e.Code, e.Message) }
+
+// PingResult answers OpPing.
+type PingResult struct {
+	AgentVersion    string   `json:"agent_version"`
+	ProtocolVersion int      `json:"protocol_version"`
+	UptimeMS        int64    `json:"uptime_ms"`
+	SandboxID       string   `json:"sandbox_id,omitempty"`
+	Hostname        string   `json:"hostname,omitempty"`
+	Features        []string `json:"features,omitempty"`
+	// PythonReady reports whether the warm interpreter is up.
+	PythonReady bool `json:"python_ready,omitempty"`
+}
+
+// InitRequest is sent after first boot and after every restore: set the
+// clock, add entropy, take an identity. Empty fields are left alone.
+type InitRequest struct {
+	Time      time.Time `json:"time,omitzero"`
+	Entropy   []byte    `json:"entropy,omitempty"`
+	SandboxID string    `json:"sandbox_id,omitempty"`
+	Hostname  string    `json:"hostname,omitempty"`
+}
+
+// ExecRequest starts a process. Exactly one of Args and Shell is set; Shell
+// runs under /bin/sh -c.
+type ExecRequest struct {
+	Args  []string          `json:"args,omitempty"`
+	Shell string            `json:"shell,omitempty"`
+	Env   map[string]string `json:"env,omitempty"`
+	Dir   string            `json:"dir,omitempty"`
+	// User is a name or numeric uid from the guest's /etc/passwd.
+	User string `json:"user,omitempty"`
+	// Stdin: for a foreground process the host streams stdin data frames
+	// ending with FlagEOF; for a background one stdin stays open for
+	// OpProcessStdin. Without it stdin is /dev/null.
+	Stdin bool `json:"stdin,omitempty"`
+	// Timeout, when positive, kills the process group (nanoseconds on the
+	// wire).
+	Timeout    time.Duration `json:"timeout_ns,omitempty"`
+	Background bool          `json:"background,omitempty"`
+	// Tag names a background process for the host's convenience.
+	Tag string `json:"tag,omitempty"`
+}
+
+// ExecResult is how a process ended, or, with Running, that a background
+// process started.
+type ExecResult struct {
+	PID int    `json:"pid"`
+	Tag string `json:"tag,omitempty"`
+	// ExitCode is the exit status, or -1 when a signal ended the process.
+	ExitCode int `json:"exit_code"`
+	// Signal names the signal that ended the process ("SIGKILL").
+	Signal     string `json:"signal,omitempty"`
+	TimedOut   bool   `json:"timed_out,omitempty"`
+	DurationMS int64  `json:"duration_ms"`
+	Running    bool   `json:"running,omitempty"`
+}
+
+// ProcessRef names a background process by pid.
+type ProcessRef struct {
+	PID int `json:"pid"`
+}
+
+// SignalRequest sends a signal, by name ("SIGTERM", "TERM") or number, to a
+// background process's group.
+type SignalRequest struct {
+	PID    int    `json:"pid"`
+	Signal string `json:"signal"`
+}
+
+// StdinRequest feeds a background process started with Stdin.
+type StdinRequest struct {
+	PID  int    `json:"pid"`
+	Data []byte `json:"data,omitempty"`
+	EOF  bool   `json:"eof,omitempty"`
+}
+
+// ProcessInfo describes a background process.
+type ProcessInfo struct {
+	PID       int         `json:"pid"`
+	Tag       string      `json:"tag,omitempty"`
+	Args      []string    `json:"args"`
+	Dir       string      `json:"dir,omitempty"`
+	StartedAt time.Time   `json:"started_at"`
+	Running   bool        `json:"running"`
+	Result    *ExecResult `json:"result,omitempty"`
+}
+
+// ProcessList answers OpProcessList.
+type ProcessList struct {
+	Processes []ProcessInfo `json:"processes"`
+}
+
+// PathRequest names one guest path (absolute).
+type PathRequest struct {
+	Path string `json:"path"`
+}
+
+// WriteRequest opens a file write; file data frames follow, the last one
+// with FlagEOF. Mode 0 keeps an existing file's permissions or uses 0644.
+type WriteRequest struct {
+	Path string `json:"path"`
+	Mode uint32 `json:"mode,omitempty"`
+}
+
+// ListRequest lists a directory to Depth levels (1 when not positive).
+type ListRequest struct {
+	Path  string `json:"path"`
+	Depth int    `json:"depth,omitempty"`
+}
+
+// ListResult answers OpFileList, entries sorted by path.
+type ListResult struct {
+	Entries []FileInfo `json:"entries"`
+}
+
+// MkdirResult answers OpFileMkdir: Created is false when the directory
+// already existed.
+type MkdirResult struct {
+	Created bool `json:"created"`
+}
+
+// RemoveRequest removes a path; a non-empty directory needs Recursive.
+type RemoveRequest struct {
+	Path      string `json:"path"`
+	Recursive bool   `json:"recursive,omitempty"`
+}
+
+// RenameRequest renames From to To.
+type RenameRequest struct {
+	From string `json:"from"`
+	To   string `json:"to"`
+}
+
+// File types in FileInfo.Type.
+const (
+	FileTypeFile    = "file"
+	FileTypeDir     = "dir"
+	FileTypeSymlink = "symlink"
+	FileTypeOther   = "other"
+)
+
+// FileInfo describes one path, without following a final symlink.
+type FileInfo struct {
+	Name    string    `json:"name"`
+	Path    string    `json:"path"`
+	Type    string    `json:"type"`
+	Size    int64     `json:"size"`
+	Mode    uint32    `json:"mode"` // permission bits, setuid/setgid/sticky included
+	ModTime time.Time `json:"mtime"`
+	Target  string    `json:"target,omitempty"` // symlink target
+}
+
+// EvalRequest runs Python code in the warm interpreter. Timeout, when
+// positive, interrupts the code (nanoseconds on the wire).
+type EvalRequest struct {
+	Code    string        `json:"code"`
+	Timeout time.Duration `json:"timeout_ns,omitempty"`
+}
+
+// EvalResult is the outcome of one eval. Errors of the code itself (an
+// exception, a timeout) are reported here, not as a call error.
+type EvalResult struct {
+	// Value is repr() of the final expression; empty when there was none or
+	// it was None.
+	Value  string `json:"value,omitempty"`
+	Stdout string `json:"stdout,omitempty"`
+	Stderr string `json:"stderr,omitempty"`
+	// Truncated reports that Stdout, Stderr or Value were cut to the agent's
+	// limit (everything was still streamed).
+	Truncated bool       `json:"truncated,omitempty"`
+	Error     *EvalError `json:"error,omitempty"`
+	TimedOut  bool       `json:"timed_out,omitempty"`
+	// Restarted reports that the interpreter was killed and started again:
+	// its state (globals, imports) is lost.
+	Restarted  bool  `json:"restarted,omitempty"`
+	DurationMS int64 `json:"duration_ms"`
+}
+
+// EvalError is an exception raised by evaluated code.
+type EvalError struct {
+	Name      string `json:"name"`
+	Message   string `json:"message"`
+	Traceback string `json:"traceback,omitempty"`
+}
+
+func (e *EvalError) Error() string { return fmt.Sprintf("%s: %s", e.Name, e.Message) }

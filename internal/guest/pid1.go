@@ -1,0 +1,203 @@
+package guest
+
+import (
+	"bufio"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// mountSpec is one mount made at boot.
+type mountSpec struct {
+	source, target, fstype string
+	flags                  uintptr
+	data                   string
+	mode                   os.FileMode
+}
+
+// baseMounts are the pseudo file systems PID 1 mounts in the initramfs.
+var baseMounts = []mountSpec{
+	{"proc", "/proc", "proc", unix.MS_NOSUID | unix.MS_NODEV | unix.MS_NOEXEC, "", 0o555},
+	{"sysfs", "/sys", "sysfs", unix.MS_NOSUID | unix.MS_NODEV | unix.MS_NOEXEC, "", 0o555},
+	{"devtmpfs", "/dev", "devtmpfs", unix.MS_NOSUID, "mode=0755", 0o755},
+	{"devpts", "/dev/pts", "devpts", unix.MS_NOSUID | unix.MS_NOEXEC, "gid=5,mode=0620,ptmxmode=0666", 0o755},
+	{"tmpfs", "/dev/shm", "tmpfs", unix.MS_NOSUID | unix.MS_NODEV, "mode=1777", 0o1777},
+	{"tmpfs", "/tmp", "tmpfs", unix.MS_NOSUID | unix.MS_NODEV, "mode=1777", 0o1777},
+	{"tmpfs", "/run", "tmpfs", unix.MS_NOSUID | unix.MS_NODEV, "mode=0755", 0o755},
+}
+
+// mountBase mounts baseMounts, tolerating ones already there (EBUSY).
+func mountBase(log *slog.Logger) error {
+	var errs []error
+	for _, m := range baseMounts {
+		if err := os.MkdirAll(m.target, m.mode); err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		err := unix.Mount(m.source, m.target, m.fstype, m.flags, m.data)
+		if err != nil && !errors.Is(err, unix.EBUSY) {
+			errs = append(errs, fmt.Errorf("mount %s on %s: %w", m.fstype, m.target, err))
+		}
+	}
+	if _, err := os.Lstat("/dev/ptmx"); os.IsNotExist(err) {
+		os.Symlink("pts/ptmx", "/dev/ptmx")
+	}
+	for _, l := range [][2]string{{"/proc/self/fd", "/dev/fd"}, {"/proc/self/fd/0", "/dev/stdin"}, {"/proc/self/fd/1", "/dev/stdout"}, {"/proc/self/fd/2", "/dev/stderr"}} {
+		if _, err := os.Lstat(l[1]); os.IsNotExist(err) {
+			os.Symlink(l[0], l[1])
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// loadModules loads the modules listed in listPath from modDir, in order.
+// A module already loaded (or built in) is not an error; other failures
+// are logged and loading goes on.
+func loadModules(log *slog.Logger, listPath, modDir string) {
+	f, err := os.Open(listPath)
+	if err != nil {
+		if !os.IsNotExist(err) {
+			log.Warn("modules list", "err", err)
+		}
+		return
+	}
+	defer f.Close()
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		line := strings.TrimSpace(sc.Text())
+		if line == "" || strings.HasPrefix(line, "#") {
+			continue
+		}
+		if err := loadModule(filepath.Join(modDir, line)); err != nil {
+			log.Warn("load module", "module", line, "err", err)
+		}
+	}
+}
+
+// loadModule loads one .ko, .ko.xz or .ko.zst file with finit_module; the
+// kernel decompresses the compressed ones.
+func loadModule(path string) error {
+	f, err := os.Open(path)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	flags := 0
+	if strings.HasSuffix(path, ".zst") || strings.HasSuffix(path, ".xz") || strings.HasSuffix(path, ".gz") {
+		flags |= unix.MODULE_INIT_COMPRESSED_FILE
+	}
+	err = unix.FinitModule(int(f.Fd()), "", flags)
+	if errors.Is(err, unix.EEXIST) {
+		return nil
+	}
+	return err
+}
+
+// waitFor polls for path to appear, up to timeout. Boot only.
+func waitFor(path string, timeout time.Duration) error {
+	deadline := time.Now().Add(timeout)
+	for {
+		if _, err := os.Stat(path); err == nil {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("%s did not appear within %v", path, timeout)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// switchRoot mounts dev read-only under an overlay whose upper layer is a
+// tmpfs, moves the pseudo file systems into it and makes it the root:
+// chdir, mount --move . /, chroot . — the initramfs cannot be pivoted.
+func switchRoot(log *slog.Logger, dev, fstype string) error {
+	const lower, rw, root = "/mnt/lower", "/mnt/rw", "/mnt/root"
+	if err := waitFor(dev, 5*time.Second); err != nil {
+		return err
+	}
+	for _, d := range []string{lower, rw, root} {
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			return err
+		}
+	}
+	if err := unix.Mount(dev, lower, fstype, unix.MS_RDONLY, ""); err != nil {
+		return fmt.Errorf("mount %s (%s) on %s: %w", dev, fstype, lower, err)
+	}
+	if err := unix.Mount("tmpfs", rw, "tmpfs", 0, "mode=0755"); err != nil {
+		return fmt.Errorf("mount tmpfs on %s: %w", rw, err)
+	}
+	for _, d := range []string{rw + "/upper", rw + "/work"} {
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			return err
+		}
+	}
+	opts := "lowerdir=" + lower + ",upperdir=" + rw + "/upper,workdir=" + rw + "/work"
+	if err := unix.Mount("overlay", root, "overlay", 0, opts); err != nil {
+		return fmt.Errorf("mount overlay on %s: %w", root, err)
+	}
+	for _, m := range []string{"/proc", "/sys", "/dev", "/run", "/tmp"} {
+		target := root + m
+		if err := os.MkdirAll(target, 0o755); err != nil {
+			return err
+		}
+		if err := unix.Mount(m, target, "", unix.MS_MOVE, ""); err != nil {
+			return fmt.Errorf("move %s into the new root: %w", m, err)
+		}
+	}
+	if err := os.Chdir(root); err != nil {
+		return err
+	}
+	if err := unix.Mount(".", "/", "", unix.MS_MOVE, ""); err != nil {
+		return fmt.Errorf("move the new root onto /: %w", err)
+	}
+	if err := unix.Chroot("."); err != nil {
+		return fmt.Errorf("chroot: %w", err)
+	}
+	if err := os.Chdir("/"); err != nil {
+		return err
+	}
+	log.Info("switched root", "device", dev, "fstype", fstype)
+	return nil
+}
+
+// loopbackUp brings up the lo interface.
+func loopbackUp() error {
+	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(fd)
+	ifr, err := unix.NewIfreq("lo")
+	if err != nil {
+		return err
+	}
+	if err := unix.IoctlIfreq(fd, unix.SIOCGIFFLAGS, ifr); err != nil {
+		return err
+	}
+	ifr.SetUint16(ifr.Uint16() | unix.IFF_UP)
+	return unix.IoctlIfreq(fd, unix.SIOCSIFFLAGS, ifr)
+}
+
+// absorbSignals keeps signals sent from inside the guest from ending PID 1,
+// which would panic the kernel: Go installs handlers for every signal, so
+// the kernel's PID 1 protection does not apply. They are caught, not
+// ignored, because ignored dispositions would be inherited by every
+// process the agent starts.
+func absorbSignals(log *slog.Logger) {
+	ch := make(chan os.Signal, 4)
+	signal.Notify(ch, syscall.SIGTERM, syscall.SIGINT, syscall.SIGHUP, syscall.SIGQUIT,
+		syscall.SIGUSR1, syscall.SIGUSR2, syscall.SIGTSTP, syscall.SIGTTIN, syscall.SIGTTOU)
+	go func() {
+		for s := range ch {
+			log.Info("ignored signal", "signal", s)
+		}
+	}()
+}

@@ -1,0 +1,390 @@
+package image
+
+import (
+	"bufio"
+	"context"
+	"crypto/rand"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"regexp"
+	"sort"
+	"strings"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/forkd/forkd/internal/errdefs"
+)
+
+// Cache layout under Builder.CacheDir (every name below is validated as a
+// single path component before use):
+//
+//	kernel/<package>_<version>/     vmlinuz, config, modules/, kernel.json
+//	busybox/<package>_<version>/    busybox, applets
+//	initramfs/<key>.cpio.gz         key = sha256 of everything that goes in
+//	rootfs/<key>/                   rootfs.ext4, rootfs.json; key = sha256 of the recipe
+//	images/<name>.json              images imported with FromOCI
+//	locks/<kind>-<key>.lock         flock(2) files serialising builders of one entry
+//
+// Entries are built in ".staging-<key>-*" (directories) or ".tmp-<key>-*"
+// (files) next to their final place and renamed into it once complete and
+// synced, so an entry either exists whole or not at all. Staging leftovers
+// of a crashed builder are removed by the next builder of the same key,
+// under the lock.
+const (
+	kindKernel    = "kernel"
+	kindBusybox   = "busybox"
+	kindInitramfs = "initramfs"
+	kindRootfs    = "rootfs"
+	kindImages    = "images"
+	kindLocks     = "locks"
+)
+
+var keyRE = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9._+~-]{0,200}$`)
+
+// checkKey refuses a cache key that is not one safe path component.
+func checkKey(key string) error {
+	if !keyRE.MatchString(key) || strings.Contains(key, "..") {
+		return errdefs.InvalidArgument("cache key %q is not a safe file name", key)
+	}
+	return nil
+}
+
+// lock takes the exclusive flock of one cache entry, waiting until ctx is
+// done. The returned function releases it.
+func (b *Builder) lock(ctx context.Context, kind, key string) (func(), error) {
+	dir := filepath.Join(b.CacheDir, kindLocks)
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return nil, err
+	}
+	f, err := os.OpenFile(filepath.Join(dir, kind+"-"+key+".lock"), os.O_RDWR|os.O_CREATE, 0o644)
+	if err != nil {
+		return nil, err
+	}
+	waited := false
+	for {
+		err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB)
+		if err == nil {
+			return func() { f.Close() }, nil
+		}
+		if err != unix.EWOULDBLOCK && err != unix.EINTR {
+			f.Close()
+			return nil, fmt.Errorf("lock %s/%s: %w", kind, key, err)
+		}
+		if !waited {
+			waited = true
+			b.progressf("waiting for another builder of %s/%s", kind, key)
+		}
+		select {
+		case <-ctx.Done():
+			f.Close()
+			return nil, ctx.Err()
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+}
+
+// ensureDir returns <cache>/<kind>/<key>, building it first unless valid
+// accepts what is there. build fills an empty staging directory; on success
+// it is renamed into place (replacing an invalid entry), on failure it is
+// removed and nothing is left behind.
+func (b *Builder) ensureDir(ctx context.Context, kind, key string, valid func(dir string) error,
+	build func(ctx context.Context, staging string) error) (dir string, err error) {
+	if err := checkKey(key); err != nil {
+		return "", err
+	}
+	parent := filepath.Join(b.CacheDir, kind)
+	final := filepath.Join(parent, key)
+	if valid(final) == nil {
+		return final, nil
+	}
+	if err := os.MkdirAll(parent, 0o755); err != nil {
+		return "", err
+	}
+	unlock, err := b.lock(ctx, kind, key)
+	if err != nil {
+		return "", err
+	}
+	defer unlock()
+	if valid(final) == nil {
+		return final, nil // another builder made it while we waited
+	}
+	if err := removeStale(parent, ".staging-"+key+"-"); err != nil {
+		return "", err
+	}
+	staging, err := os.MkdirTemp(parent, ".staging-"+key+"-")
+	if err != nil {
+		return "", err
+	}
+	var cl cleanup
+	cl.add(func() error { return removeTree(staging) })
+	defer func() {
+		if err != nil {
+			err = errors.Join(err, cl.run())
+		}
+	}()
+	if err := os.Chmod(staging, 0o755); err != nil {
+		return "", err
+	}
+	if err := build(ctx, staging); err != nil {
+		return "", err
+	}
+	if err := syncDir(staging); err != nil {
+		return "", err
+	}
+	if _, err := os.Lstat(final); err == nil {
+		trash := filepath.Join(parent, ".staging-"+key+"-old-"+randomSuffix())
+		if err := os.Rename(final, trash); err != nil {
+			return "", err
+		}
+		defer removeTree(trash) //nolint:errcheck // a leftover is removed by the next builder
+	}
+	if err := os.Rename(staging, final); err != nil {
+		return "", err
+	}
+	cl.release()
+	return final, syncDir(parent)
+}
+
+// ensureFile returns <cache>/<kind>/<name>, writing it with write first if
+// it does not exist. The file is written to a temporary name, synced and
+// renamed, so it exists whole or not at all.
+func (b *Builder) ensureFile(ctx context.Context, kind, name string, write func(w io.Writer) error) (path string, err error) {
+	if err := checkKey(name); err != nil {
+		return "", err
+	}
+	parent := filepath.Join(b.CacheDir, kind)
+	final := filepath.Join(parent, name)
+	if fi, err := os.Stat(final); err == nil && fi.Mode().IsRegular() {
+		return final, nil
+	}
+	if err := os.MkdirAll(parent, 0o755); err != nil {
+		return "", err
+	}
+	unlock, err := b.lock(ctx, kind, name)
+	if err != nil {
+		return "", err
+	}
+	defer unlock()
+	if fi, err := os.Stat(final); err == nil && fi.Mode().IsRegular() {
+		return final, nil
+	}
+	if err := removeStale(parent, ".tmp-"+name+"-"); err != nil {
+		return "", err
+	}
+	return final, writeAtomic(final, 0o644, write)
+}
+
+// writeAtomic writes path through a synced temporary file in the same
+// directory and a rename; on failure nothing is left behind.
+func writeAtomic(path string, perm os.FileMode, write func(w io.Writer) error) (err error) {
+	dir := filepath.Dir(path)
+	f, err := os.CreateTemp(dir, ".tmp-"+filepath.Base(path)+"-")
+	if err != nil {
+		return err
+	}
+	defer func() {
+		if err != nil {
+			f.Close()
+			err = errors.Join(err, ignoreNotExist(os.Remove(f.Name())))
+		}
+	}()
+	bw := bufio.NewWriterSize(f, 1<<20)
+	if err := write(bw); err != nil {
+		return err
+	}
+	if err := bw.Flush(); err != nil {
+		return err
+	}
+	if err := f.Chmod(perm); err != nil {
+		return err
+	}
+	if err := f.Sync(); err != nil {
+		return err
+	}
+	if err := f.Close(); err != nil {
+		return err
+	}
+	if err := os.Rename(f.Name(), path); err != nil {
+		return err
+	}
+	return syncDir(dir)
+}
+
+// writeFileSync writes a new file (mode 0644) and syncs it.
+func writeFileSync(path string, data []byte) error {
+	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o644)
+	if err != nil {
+		return err
+	}
+	if _, err := f.Write(data); err != nil {
+		return errors.Join(err, f.Close())
+	}
+	if err := f.Sync(); err != nil {
+		return errors.Join(err, f.Close())
+	}
+	return f.Close()
+}
+
+// removeStale removes the entries of dir whose names start with prefix.
+// Callers hold the lock that makes them stale.
+func removeStale(dir, prefix string) error {
+	entries, err := os.ReadDir(dir)
+	if err != nil {
+		return err
+	}
+	var errs []error
+	for _, e := range entries {
+		if strings.HasPrefix(e.Name(), prefix) {
+			errs = append(errs, removeTree(filepath.Join(dir, e.Name())))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// removeTree removes dir and everything below it without crossing into a
+// mount: mounts found below dir (there should be none; everything that
+// mounts runs in a private namespace) are detached first, and if one
+// cannot be, nothing is removed.
+func removeTree(dir string) error {
+	mounts, err := mountsBelow(dir)
+	if err != nil {
+		return err
+	}
+	for _, m := range mounts {
+		if err := unix.Unmount(m, unix.MNT_DETACH); err != nil {
+			return fmt.Errorf("refusing to remove %s: %s is mounted and cannot be unmounted: %w", dir, m, err)
+		}
+	}
+	return os.RemoveAll(dir)
+}
+
+// mountsBelow lists the mount points at or below dir, deepest first.
+func mountsBelow(dir string) ([]string, error) {
+	abs, err := filepath.Abs(dir)
+	if err != nil {
+		return nil, err
+	}
+	if real, err := filepath.EvalSymlinks(abs); err == nil {
+		abs = real
+	}
+	f, err := os.Open("/proc/self/mountinfo")
+	if err != nil {
+		return nil, nil // no procfs: nothing to check against
+	}
+	defer f.Close()
+	var out []string
+	sc := bufio.NewScanner(f)
+	sc.Buffer(make([]byte, 0, 64<<10), 1<<20)
+	for sc.Scan() {
+		fields := strings.Fields(sc.Text())
+		if len(fields) < 5 {
+			continue
+		}
+		mp := unescapeMountinfo(fields[4])
+		if mp == abs || strings.HasPrefix(mp, abs+"/") {
+			out = append(out, mp)
+		}
+	}
+	sort.Slice(out, func(i, j int) bool { return len(out[i]) > len(out[j]) })
+	return out, sc.Err()
+}
+
+// unescapeMountinfo undoes the octal escapes (\040 for space) of
+// /proc/self/mountinfo.
+func unescapeMountinfo(s string) string {
+	if !strings.Contains(s, `\`) {
+		return s
+	}
+	var b strings.Builder
+	for i := 0; i < len(s); i++ {
+		if s[i] == '\\' && i+3 < len(s) {
+			var v byte
+			ok := true
+			for _, c := range s[i+1 : i+4] {
+				if c < '0' || c > '7' {
+					ok = false
+					break
+				}
+				v = v*8 + byte(c-'0')
+			}
+			if ok {
+				b.WriteByte(v)
+				i += 3
+				continue
+			}
+		}
+		b.WriteByte(s[i])
+	}
+	return b.String()
+}
+
+func syncDir(dir string) error {
+	f, err := os.Open(dir)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	return f.Sync()
+}
+
+func ignoreNotExist(err error) error {
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	return err
+}
+
+func randomSuffix() string {
+	var b [6]byte
+	_, _ = rand.Read(b[:])
+	return hex.EncodeToString(b[:])
+}
+
+// sha256File returns the hex sha256 of the file at path.
+func sha256File(path string) (string, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return "", err
+	}
+	defer f.Close()
+	h := sha256.New()
+	if _, err := io.Copy(h, f); err != nil {
+		return "", err
+	}
+	return hex.EncodeToString(h.Sum(nil)), nil
+}
+
+// hashKey returns the hex sha256 of parts, each length-prefixed so no two
+// lists collide.
+func hashKey(parts ...string) string {
+	h := sha256.New()
+	for _, p := range parts {
+		fmt.Fprintf(h, "%d:%s;", len(p), p)
+	}
+	return hex.EncodeToString(h.Sum(nil))
+}
+
+// cleanup is a stack of undo functions: after each acquisition its undo is
+// added; on failure run undoes in reverse order and joins the errors.
+type cleanup struct{ fns []func() error }
+
+func (c *cleanup) add(f func() error) { c.fns = append(c.fns, f) }
+
+// release forgets the undo functions: the work is kept.
+func (c *cleanup) release() { c.fns = nil }
+
+// run undoes everything added, last first, and returns the joined errors.
+func (c *cleanup) run() error {
+	var errs []error
+	for i := len(c.fns) - 1; i >= 0; i-- {
+		errs = append(errs, c.fns[i]())
+	}
+	c.fns = nil
+	return errors.Join(errs...)
+}

@@ -1,0 +1,327 @@
+package image
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+
+	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/testutil"
+)
+
+// testCacheDir is the builder cache integration tests share: a directory
+// that survives test runs when FORKD_TEST_CACHE is set (CI sets it to
+// /var/tmp/forkd-test-cache), else a fresh temporary one.
+func testCacheDir(t *testing.T) string {
+	t.Helper()
+	if d := os.Getenv("FORKD_TEST_CACHE"); d != "" {
+		dir := filepath.Join(d, "image")
+		if err := os.MkdirAll(dir, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		return dir
+	}
+	return t.TempDir()
+}
+
+var (
+	agentOnce sync.Once
+	agentPath string
+	agentErr  error
+)
+
+// fakeAgent builds testdata/fakeagent, a static stand-in for forkd-agent.
+func fakeAgent(t *testing.T) string {
+	t.Helper()
+	agentOnce.Do(func() {
+		dir, err := os.MkdirTemp("", "forkd-fakeagent-")
+		if err != nil {
+			agentErr = err
+			return
+		}
+		agentPath = filepath.Join(dir, "forkd-agent")
+		cmd := exec.Command("go", "build", "-trimpath", "-ldflags=-s -w", "-o", agentPath, "./testdata/fakeagent")
+		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+		if out, err := cmd.CombinedOutput(); err != nil {
+			agentErr = errors.New(string(out))
+		}
+	})
+	if agentErr != nil {
+		t.Fatalf("build fake agent: %v", agentErr)
+	}
+	return agentPath
+}
+
+// progress is a concurrency-safe progress sink that also logs.
+type progress struct {
+	t  *testing.T
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (p *progress) Write(b []byte) (int, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.t.Logf("progress: %s", strings.TrimRight(string(b), "\n"))
+	return p.b.Write(b)
+}
+
+func newBuilder(t *testing.T, cache string) *Builder {
+	return &Builder{CacheDir: cache, AgentPath: fakeAgent(t), Progress: &progress{t: t}}
+}
+
+func TestValidateName(t *testing.T) {
+	for _, ok := range []string{"a", "minimal", "python", "my-image_1.2", "A9", strings.Repeat("x", 63)} {
+		if err := ValidateName(ok); err != nil {
+			t.Errorf("ValidateName(%q): %v", ok, err)
+		}
+	}
+	for _, bad := range []string{"", "../x", "..", ".", "/etc", "a/b", "-x", ".hidden", "_x", "a..b", "x..",
+		"a b", "a\x00", "ä", strings.Repeat("x", 64), strings.Repeat("y", 200), "a\n"} {
+		if err := ValidateName(bad); !errdefs.IsInvalidArgument(err) {
+			t.Errorf("ValidateName(%q) = %v, want InvalidArgument", bad, err)
+		}
+	}
+}
+
+func TestRegistry(t *testing.T) {
+	if got := BuiltinNames(); strings.Join(got, ",") != "minimal,python" {
+		t.Errorf("BuiltinNames() = %v", got)
+	}
+	if err := Register(Spec{Name: "minimal"}); !errdefs.IsAlreadyExists(err) {
+		t.Errorf("duplicate: %v", err)
+	}
+	if err := Register(Spec{Name: "../evil"}); !errdefs.IsInvalidArgument(err) {
+		t.Errorf("bad name: %v", err)
+	}
+	if err := Register(Spec{Name: "badpkg", Rootfs: &RootfsSpec{Packages: []string{"-o=Dpkg::x"}}}); !errdefs.IsInvalidArgument(err) {
+		t.Errorf("bad package: %v", err)
+	}
+	if err := Register(Spec{Name: "badpre", Rootfs: &RootfsSpec{Preload: []string{"os; import x"}}}); !errdefs.IsInvalidArgument(err) {
+		t.Errorf("bad preload: %v", err)
+	}
+	b := &Builder{CacheDir: t.TempDir(), AgentPath: fakeAgent(t)}
+	if _, err := b.Build(context.Background(), "nosuchimage"); !errdefs.IsNotFound(err) {
+		t.Errorf("unknown image: %v", err)
+	}
+	if _, err := b.Build(context.Background(), "../etc"); !errdefs.IsInvalidArgument(err) {
+		t.Errorf("bad name: %v", err)
+	}
+}
+
+func TestCheckAgent(t *testing.T) {
+	if err := checkAgent(""); !errdefs.IsInvalidArgument(err) {
+		t.Errorf("empty: %v", err)
+	}
+	if err := checkAgent(filepath.Join(t.TempDir(), "nope")); !errdefs.IsNotFound(err) {
+		t.Errorf("missing: %v", err)
+	}
+	if err := checkAgent("/bin/ls"); !errdefs.IsInvalidArgument(err) || !strings.Contains(err.Error(), "dynamically linked") {
+		t.Errorf("dynamic: %v", err)
+	}
+	if err := checkAgent(fakeAgent(t)); err != nil {
+		t.Errorf("static: %v", err)
+	}
+}
+
+func TestHostDistro(t *testing.T) {
+	etc := t.TempDir()
+	os.MkdirAll(filepath.Join(etc, "apt", "sources.list.d"), 0o755)
+	write := func(p, s string) { os.WriteFile(filepath.Join(etc, p), []byte(s), 0o644) }
+
+	b := &Builder{EtcDir: etc}
+	if d := b.hostDistro(); d.suite != "bookworm" || d.mirror != "http://deb.debian.org/debian" {
+		t.Errorf("no os-release: %+v", d)
+	}
+	write("os-release", "ID=debian\nVERSION_CODENAME=trixie\n")
+	write("apt/sources.list", "# comment\ndeb [arch=amd64 signed-by=/k.gpg] http://mirror.example/debian/ trixie main\n")
+	if d := b.hostDistro(); d.suite != "trixie" || d.mirror != "http://mirror.example/debian" {
+		t.Errorf("one-line: %+v", d)
+	}
+	os.Remove(filepath.Join(etc, "apt/sources.list"))
+	write("apt/sources.list.d/debian.sources", "Types: deb\nURIs: http://sec.example/debian-security\nSuites: trixie-security\n\n"+
+		"Types: deb deb-src\nURIs: https://deb822.example/debian\nSuites: trixie trixie-updates\nComponents: main\n")
+	if d := b.hostDistro(); d.mirror != "https://deb822.example/debian" {
+		t.Errorf("deb822: %+v", d)
+	}
+	write("os-release", `ID=ubuntu`+"\n"+`VERSION_CODENAME="noble"`+"\n")
+	if d := b.hostDistro(); d.suite != "noble" || d.mirror != "http://archive.ubuntu.com/ubuntu" || len(d.components) != 2 {
+		t.Errorf("ubuntu: %+v", d)
+	}
+	write("os-release", "ID=fedora\n")
+	if d := b.hostDistro(); d.id != "debian" || d.suite != "bookworm" || d.mirror != defaultDistro.mirror {
+		t.Errorf("fedora: %+v", d)
+	}
+}
+
+// listCache returns the entries of the cache's directories, without locks.
+func listCache(t *testing.T, cache string) []string {
+	t.Helper()
+	var out []string
+	for _, kind := range []string{kindKernel, kindBusybox, kindInitramfs, kindRootfs, kindImages} {
+		entries, err := os.ReadDir(filepath.Join(cache, kind))
+		if err != nil && !os.IsNotExist(err) {
+			t.Fatal(err)
+		}
+		for _, e := range entries {
+			out = append(out, kind+"/"+e.Name())
+		}
+	}
+	return out
+}
+
+// assertNoLeftovers fails t if the cache holds staging or temporary
+// entries.
+func assertNoLeftovers(t *testing.T, cache string) {
+	t.Helper()
+	for _, e := range listCache(t, cache) {
+		if strings.Contains(e, "/.staging-") || strings.Contains(e, "/.tmp-") {
+			t.Errorf("left behind in the cache: %s", e)
+		}
+	}
+}
+
+func TestEnsureDir(t *testing.T) {
+	b := &Builder{CacheDir: t.TempDir()}
+	ctx := context.Background()
+	ok := func(dir string) error {
+		_, err := os.Stat(filepath.Join(dir, "done"))
+		return err
+	}
+
+	// A failing build leaves nothing, and its error comes first.
+	boom := errors.New("boom")
+	_, err := b.ensureDir(ctx, "thing", "k1", ok, func(ctx context.Context, staging string) error {
+		os.WriteFile(filepath.Join(staging, "partial"), []byte("x"), 0o644)
+		os.MkdirAll(filepath.Join(staging, "deep/er"), 0o755)
+		return boom
+	})
+	if !errors.Is(err, boom) {
+		t.Fatalf("got %v", err)
+	}
+	if entries, _ := os.ReadDir(filepath.Join(b.CacheDir, "thing")); len(entries) != 0 {
+		t.Errorf("left behind: %v", entries)
+	}
+
+	// Concurrent builders of one key: one builds, all get the result.
+	var builds atomic.Int32
+	var wg sync.WaitGroup
+	dirs := make([]string, 8)
+	for i := range dirs {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			d, err := b.ensureDir(ctx, "thing", "k2", ok, func(ctx context.Context, staging string) error {
+				builds.Add(1)
+				return os.WriteFile(filepath.Join(staging, "done"), nil, 0o644)
+			})
+			if err != nil {
+				t.Error(err)
+			}
+			dirs[i] = d
+		}()
+	}
+	wg.Wait()
+	if builds.Load() != 1 {
+		t.Errorf("%d builds, want 1", builds.Load())
+	}
+	for _, d := range dirs {
+		if d != filepath.Join(b.CacheDir, "thing", "k2") {
+			t.Errorf("dir %s", d)
+		}
+	}
+
+	// An invalid entry is rebuilt and replaced; a stale staging dir goes.
+	bad := filepath.Join(b.CacheDir, "thing", "k3")
+	os.MkdirAll(bad, 0o755)
+	os.WriteFile(filepath.Join(bad, "junk"), nil, 0o644)
+	os.MkdirAll(filepath.Join(b.CacheDir, "thing", ".staging-k3-crashed"), 0o755)
+	d, err := b.ensureDir(ctx, "thing", "k3", ok, func(ctx context.Context, staging string) error {
+		return os.WriteFile(filepath.Join(staging, "done"), nil, 0o644)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(filepath.Join(d, "junk")); err == nil {
+		t.Error("invalid entry not replaced")
+	}
+	entries, _ := os.ReadDir(filepath.Join(b.CacheDir, "thing"))
+	var names []string
+	for _, e := range entries {
+		names = append(names, e.Name())
+	}
+	if strings.Join(names, ",") != "k2,k3" {
+		t.Errorf("cache holds %v", names)
+	}
+
+	// Keys are single safe path components.
+	for _, key := range []string{"../x", "a/b", "", ".hidden", "x..y"} {
+		if _, err := b.ensureDir(ctx, "thing", key, ok, nil); !errdefs.IsInvalidArgument(err) {
+			t.Errorf("key %q: %v", key, err)
+		}
+	}
+
+	// Waiting for a lock gives up when the context ends.
+	unlock, err := b.lock(ctx, "thing", "k4")
+	if err != nil {
+		t.Fatal(err)
+	}
+	cctx, cancel := context.WithCancel(ctx)
+	cancel()
+	if _, err := b.ensureDir(cctx, "thing", "k4", ok, nil); !errors.Is(err, context.Canceled) {
+		t.Errorf("locked and cancelled: %v", err)
+	}
+	unlock()
+}
+
+func TestEnsureFile(t *testing.T) {
+	b := &Builder{CacheDir: t.TempDir()}
+	ctx := context.Background()
+	if _, err := b.ensureFile(ctx, "f", "x.bin", func(w io.Writer) error {
+		w.Write([]byte("partial"))
+		return errors.New("fail")
+	}); err == nil {
+		t.Fatal("no error")
+	}
+	if entries, _ := os.ReadDir(filepath.Join(b.CacheDir, "f")); len(entries) != 0 {
+		t.Errorf("left behind: %v", entries)
+	}
+	p, err := b.ensureFile(ctx, "f", "x.bin", func(w io.Writer) error { _, err := w.Write([]byte("ok")); return err })
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, _ := os.ReadFile(p); string(got) != "ok" {
+		t.Errorf("content %q", got)
+	}
+}
+
+// TestRemoveTreeMounts checks that removing a staging tree never descends
+// into a mount left in it, but detaches it first.
+func TestRemoveTreeMounts(t *testing.T) {
+	testutil.RequireRoot(t)
+	dir := t.TempDir()
+	mnt := filepath.Join(dir, "tree", "proc")
+	os.MkdirAll(mnt, 0o755)
+	if out, err := exec.Command("mount", "-t", "tmpfs", "tmpfs", mnt).CombinedOutput(); err != nil {
+		t.Fatalf("mount: %v %s", err, out)
+	}
+	os.WriteFile(filepath.Join(mnt, "in-mount"), nil, 0o644)
+	if err := removeTree(filepath.Join(dir, "tree")); err != nil {
+		exec.Command("umount", "-l", mnt).Run()
+		t.Fatal(err)
+	}
+	if m, _ := mountsBelow(dir); len(m) != 0 {
+		t.Errorf("still mounted: %v", m)
+	}
+	if _, err := os.Stat(filepath.Join(dir, "tree")); !os.IsNotExist(err) {
+		t.Errorf("tree not removed: %v", err)
+	}
+}

@@ -1,0 +1,198 @@
+package image
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"slices"
+	"sort"
+	"strings"
+	"time"
+
+	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/image/deb"
+	"github.com/forkd/forkd/internal/image/oci"
+	"github.com/forkd/forkd/internal/image/rootfs"
+)
+
+// OCIOptions tune FromOCI.
+type OCIOptions struct {
+	// Tag names the resulting image (ValidateName); Build(Tag) returns it
+	// later. Importing again under the same tag replaces the image.
+	Tag string
+	// Extra are Debian packages installed into the image with its own apt
+	// (Debian and Ubuntu images only). They run the image's programs as
+	// root on the host, in a chroot: only for trusted images.
+	Extra []string
+	// Insecure allows plain HTTP and unverified TLS for any registry (plain
+	// HTTP is always allowed for localhost and loopback addresses).
+	Insecure bool
+	// Preload are Python modules the warm interpreter imports; they need a
+	// python3 in the image.
+	Preload []string
+}
+
+const recordFormat = 1
+
+// record is what images/<tag>.json keeps of an imported image.
+type record struct {
+	Format    int       `json:"format"`
+	Name      string    `json:"name"`
+	Ref       string    `json:"ref"`
+	Digest    string    `json:"digest"`
+	RootfsKey string    `json:"rootfs_key"`
+	Extra     []string  `json:"extra,omitempty"`
+	Python    string    `json:"python,omitempty"`
+	Preload   []string  `json:"preload,omitempty"`
+	Created   time.Time `json:"created"`
+}
+
+// FromOCI imports a container image as the root filesystem of a new image
+// named o.Tag. ref is a registry reference ("localhost:5000/foo:tag"), a
+// `docker save` tarball path ("docker-archive:PATH" or a file), or an OCI
+// layout directory ("oci:PATH" or a directory with an oci-layout file).
+//
+// The layers are flattened (whiteouts honoured, entries escaping the root
+// refused), o.Extra installed, a python3 looked for, and the tree written
+// to an ext4 image, cached by image digest and extra packages. It needs
+// root (file ownership). A missing image is errdefs.ErrNotFound; a
+// malformed reference, archive or layer is errdefs.ErrInvalidArgument. On
+// failure nothing of the import is left in the cache.
+func (b *Builder) FromOCI(ctx context.Context, ref string, o OCIOptions) (*Image, error) {
+	if err := ValidateName(o.Tag); err != nil {
+		return nil, err
+	}
+	registryMu.Lock()
+	_, builtin := registry[o.Tag]
+	registryMu.Unlock()
+	if builtin {
+		return nil, errdefs.AlreadyExists("image name %s is taken by a built-in image", o.Tag)
+	}
+	extra := slices.Clone(o.Extra)
+	sort.Strings(extra)
+	extra = slices.Compact(extra)
+	for _, p := range extra {
+		if !deb.ValidName(p) {
+			return nil, errdefs.InvalidArgument("package name %q is not valid", p)
+		}
+	}
+	for _, m := range o.Preload {
+		if !pyModuleRE.MatchString(m) {
+			return nil, errdefs.InvalidArgument("preload module %q is not valid", m)
+		}
+	}
+	if ref == "" {
+		return nil, errdefs.InvalidArgument("empty image reference")
+	}
+	if err := b.check(); err != nil {
+		return nil, err
+	}
+	if os.Geteuid() != 0 {
+		return nil, errdefs.FailedPrecondition("importing an image needs root (file ownership)")
+	}
+	start := time.Now()
+	src, err := oci.Open(ctx, ref, oci.OpenOptions{Insecure: o.Insecure})
+	if err != nil {
+		return nil, err
+	}
+	b.progressf("image %s: importing %s (%s)", o.Tag, ref, src.Digest)
+	key := hashKey(builderVersion, "oci", src.Digest.String(), strings.Join(extra, ","))
+	rf, err := b.ensureRootfs(ctx, key, func(ctx context.Context, tree string, m *rootfsInfo) error {
+		t, err := rootfs.OpenTree(tree)
+		if err != nil {
+			return err
+		}
+		defer t.Close()
+		if err := oci.Unpack(ctx, src.Image, t, oci.ApplyOptions{Ownership: true, Logger: b.log()}, b.Progress); err != nil {
+			return err
+		}
+		if err := rootfs.EnsureMountpoints(t); err != nil {
+			return err
+		}
+		if len(extra) > 0 {
+			b.progressf("image %s: installing %s", o.Tag, strings.Join(extra, " "))
+			if err := b.rootfsTools().InstallPackages(ctx, t, extra, b.Progress); err != nil {
+				return err
+			}
+		}
+		m.Source, m.Ref, m.Digest, m.Extra = "oci", ref, src.Digest.String(), extra
+		m.Python = rootfs.FindPython(t)
+		return nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("import %s: %w", ref, err)
+	}
+	if len(o.Preload) > 0 && rf.info.Python == "" {
+		return nil, errdefs.FailedPrecondition("preload %s: the image has no python3", strings.Join(o.Preload, ","))
+	}
+	rec := record{
+		Format: recordFormat, Name: o.Tag, Ref: ref, Digest: src.Digest.String(), RootfsKey: key,
+		Extra: extra, Python: rf.info.Python, Preload: slices.Clone(o.Preload), Created: time.Now().UTC(),
+	}
+	img, err := b.assemble(ctx, &rec, rf)
+	if err != nil {
+		return nil, err
+	}
+	data, err := json.MarshalIndent(rec, "", "  ")
+	if err != nil {
+		return nil, err
+	}
+	dir := filepath.Join(b.CacheDir, kindImages)
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return nil, err
+	}
+	if err := writeAtomic(filepath.Join(dir, o.Tag+".json"), 0o644, func(w io.Writer) error {
+		_, err := w.Write(append(data, '\n'))
+		return err
+	}); err != nil {
+		return nil, err
+	}
+	b.log().Info("image imported", "image", o.Tag, "ref", ref, "digest", src.Digest.String(),
+		"elapsed", time.Since(start).Round(time.Millisecond))
+	return img, nil
+}
+
+// loadImported returns an image imported earlier with FromOCI.
+func (b *Builder) loadImported(ctx context.Context, name string) (*Image, error) {
+	data, err := os.ReadFile(filepath.Join(b.CacheDir, kindImages, name+".json"))
+	if os.IsNotExist(err) {
+		return nil, errdefs.NotFound("no image %s (built-in: %s)", name, strings.Join(Names(), ", "))
+	}
+	if err != nil {
+		return nil, err
+	}
+	var rec record
+	if err := json.Unmarshal(data, &rec); err != nil || rec.Format != recordFormat || rec.Name != name {
+		return nil, errdefs.NotFound("image %s: unreadable record; import it again", name)
+	}
+	if err := checkKey(rec.RootfsKey); err != nil {
+		return nil, err
+	}
+	dir := filepath.Join(b.CacheDir, kindRootfs, rec.RootfsKey)
+	info, err := readRootfsInfo(dir)
+	if err != nil {
+		return nil, errdefs.NotFound("image %s: root filesystem gone from the cache (%v); import it again", name, err)
+	}
+	return b.assemble(ctx, &rec, &rootfsEntry{dir: dir, info: info})
+}
+
+// assemble completes an imported image with the current kernel and its
+// initramfs.
+func (b *Builder) assemble(ctx context.Context, rec *record, rf *rootfsEntry) (*Image, error) {
+	k, err := b.ensureKernel(ctx)
+	if err != nil {
+		return nil, err
+	}
+	img := &Image{
+		Name: rec.Name, Kernel: k.vmlinuz(), KernelSHA256: k.manifest.VmlinuzSHA256,
+		Rootfs: rf.image(), RootfsSHA256: rf.info.SHA256, Python: rec.Python, Preload: slices.Clone(rec.Preload),
+	}
+	if img.Initrd, img.InitrdSHA256, err = b.ensureInitramfs(ctx, k, false); err != nil {
+		return nil, err
+	}
+	img.Cmdline = rootCmdline(img.Python, img.Preload)
+	return img, nil
+}

@@ -1,0 +1,412 @@
+// Package agent is the host side of the guest agent protocol (package
+// proto): a client that multiplexes any number of concurrent calls over one
+// connection to a VM's agent channel.
+//
+// A Client lives as long as its connection. When the connection breaks or
+// the Client is closed, every pending and later call fails at once with an
+// errdefs.ErrUnavailable error. Errors the agent returns keep their errdefs
+// class. A call whose context ends is cancelled in the guest (a foreground
+// process is killed, a file write is abandoned) and returns an error of
+// class errdefs.ErrDeadlineExceeded (matching context.DeadlineExceeded too)
+// or context.Canceled.
+package agent
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"sync"
+	"time"
+
+	"github.com/forkd/forkd/internal/agent/proto"
+	"github.com/forkd/forkd/internal/errdefs"
+)
+
+// helloInterval is how often Dial repeats its hello until acknowledged.
+const helloInterval = time.Second
+
+// Options configures a Client.
+type Options struct {
+	// Logger receives protocol anomalies at debug level; nil discards.
+	Logger *slog.Logger
+}
+
+// Client is a session with one guest agent. Safe for concurrent use.
+type Client struct {
+	conn net.Conn
+	w    *proto.Writer
+	log  *slog.Logger
+	ack  proto.HelloAck
+
+	mu     sync.Mutex
+	nextID uint32           // guarded by mu
+	calls  map[uint32]*call // guarded by mu
+	err    error            // guarded by mu; why the client stopped
+	done   chan struct{}    // closed once err is set
+}
+
+// call is one request in flight.
+type call struct {
+	id     uint32
+	op     string
+	q      *proto.Queue[proto.Frame] // result, events and data from the guest, payloads owned
+	credit *proto.Credit             // for data sent to the guest
+	acked  int                       // consumed bytes not yet returned as credit; owner only
+}
+
+// Dial performs the hello handshake over conn, already connected to the
+// VM's agent channel, and returns a Client. It discards whatever the channel
+// holds before the agent's answer and repeats its hello every second until
+// the agent answers or ctx ends. Dial owns conn: it is closed when Dial
+// fails and when the Client is closed.
+func Dial(ctx context.Context, conn net.Conn, opts Options) (*Client, error) {
+	log := opts.Logger
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	c := &Client{
+		conn:  conn,
+		w:     proto.NewWriter(conn),
+		log:   log,
+		calls: map[uint32]*call{},
+		done:  make(chan struct{}),
+	}
+	var nb [16]byte
+	rand.Read(nb[:])
+	nonce := hex.EncodeToString(nb[:])
+	hello, _ := json.Marshal(proto.Hello{
+		Version:    proto.ProtocolVersion,
+		MinVersion: proto.MinProtocolVersion,
+		Nonce:      nonce,
+	})
+
+	// Unblock the reads below when ctx ends.
+	stop := context.AfterFunc(ctx, func() { conn.Close() })
+	acked := make(chan struct{})
+	go func() {
+		t := time.NewTicker(helloInterval)
+		defer t.Stop()
+		for {
+			if err := c.w.WriteMessage(proto.TypeHello, 0, hello); err != nil {
+				return
+			}
+			select {
+			case <-acked:
+				return
+			case <-t.C:
+			}
+		}
+	}()
+	fail := func(err error) (*Client, error) {
+		close(acked)
+		stop()
+		conn.Close()
+		if ctx.Err() != nil {
+			return nil, ctxError("handshake", ctx.Err())
+		}
+		return nil, err
+	}
+
+	r := proto.NewReader(conn)
+	var asm proto.Assembler
+	for {
+		f, err := r.Next()
+		if err != nil {
+			return fail(errdefs.Unavailable("agent handshake: %v", err))
+		}
+		if f.Type != proto.TypeHelloAck {
+			continue
+		}
+		msg, ok, _ := asm.Add(f)
+		if !ok {
+			continue
+		}
+		var ack proto.HelloAck
+		if err := json.Unmarshal(msg, &ack); err != nil || ack.Nonce != nonce {
+			continue // stale or foreign
+		}
+		if ack.Error != nil {
+			return fail(fmt.Errorf("agent handshake: %w", ack.Error.Err()))
+		}
+		if err := proto.CheckVersions(proto.ProtocolVersion, proto.MinProtocolVersion, ack.Version, ack.MinVersion); err != nil {
+			return fail(fmt.Errorf("agent handshake: %w", err))
+		}
+		c.ack = ack
+		break
+	}
+	close(acked)
+	if !stop() {
+		return fail(nil) // ctx ended just now and closed conn
+	}
+	go c.readLoop(r)
+	return c, nil
+}
+
+// AgentVersion returns the agent's build version.
+func (c *Client) AgentVersion() string { return c.ack.AgentVersion }
+
+// ProtocolVersion returns the protocol version the agent speaks.
+func (c *Client) ProtocolVersion() int { return c.ack.Version }
+
+// Features returns what the agent offers (proto.Feature*).
+func (c *Client) Features() []string { return c.ack.Features }
+
+// Done is closed when the Client stops (closed or connection lost).
+func (c *Client) Done() <-chan struct{} { return c.done }
+
+// Err returns why the Client stopped, or nil while it runs.
+func (c *Client) Err() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.err
+}
+
+// Close closes the connection and fails all pending calls. The guest
+// cancels this session's foreground requests only when the next session
+// starts, since it cannot see the disconnect.
+func (c *Client) Close() error {
+	c.stop(errdefs.Unavailable("agent client closed"))
+	return nil
+}
+
+// stop ends the client with err; the first error wins.
+func (c *Client) stop(err error) {
+	c.mu.Lock()
+	if c.err != nil {
+		c.mu.Unlock()
+		return
+	}
+	c.err = err
+	calls := c.calls
+	c.calls = map[uint32]*call{}
+	close(c.done)
+	c.mu.Unlock()
+	c.conn.Close()
+	for _, cl := range calls {
+		cl.q.Close(err)
+		cl.credit.Close(err)
+	}
+}
+
+func (c *Client) readLoop(r *proto.Reader) {
+	var asm proto.Assembler
+	for {
+		f, err := r.Next()
+		if err != nil {
+			c.stop(errdefs.Unavailable("agent connection lost: %v", err))
+			return
+		}
+		switch f.Type {
+		case proto.TypeResult, proto.TypeEvent:
+			msg, ok, err := asm.Add(f)
+			if err != nil {
+				c.log.Debug("agent message dropped", "err", err)
+			}
+			if !ok {
+				continue
+			}
+			f.Payload = msg
+		case proto.TypeData, proto.TypeWindow:
+		default:
+			continue // hello_ack repeats and anything host-bound
+		}
+		c.mu.Lock()
+		cl := c.calls[f.ID]
+		c.mu.Unlock()
+		if cl == nil {
+			c.log.Debug("agent frame for no call", "type", f.Type, "id", f.ID)
+			continue
+		}
+		if f.Type == proto.TypeWindow {
+			if n, err := proto.ParseWindow(f.Payload); err == nil {
+				cl.credit.Add(int(n))
+			}
+			continue
+		}
+		f.Payload = append([]byte(nil), f.Payload...)
+		cl.q.Push(f)
+	}
+}
+
+// start registers a call and sends its request.
+func (c *Client) start(op string, args any) (*call, error) {
+	var raw json.RawMessage
+	if args != nil {
+		b, err := json.Marshal(args)
+		if err != nil {
+			return nil, errdefs.InvalidArgument("agent %s: %v", op, err)
+		}
+		raw = b
+	}
+	req, err := json.Marshal(proto.Request{Op: op, Args: raw})
+	if err != nil {
+		return nil, err
+	}
+	c.mu.Lock()
+	if c.err != nil {
+		err := c.err
+		c.mu.Unlock()
+		return nil, err
+	}
+	c.nextID++
+	if c.nextID == 0 {
+		c.nextID = 1
+	}
+	cl := &call{id: c.nextID, op: op, q: proto.NewQueue[proto.Frame](), credit: proto.NewCredit(proto.InitialWindow)}
+	c.calls[cl.id] = cl
+	c.mu.Unlock()
+	if err := c.w.WriteMessage(proto.TypeRequest, cl.id, req); err != nil {
+		c.forget(cl)
+		if errdefs.Code(err) == "internal" {
+			err = errdefs.Unavailable("agent %s: %v", op, err)
+		}
+		return nil, err
+	}
+	return cl, nil
+}
+
+// forget unregisters a call.
+func (c *Client) forget(cl *call) {
+	c.mu.Lock()
+	if c.calls[cl.id] == cl {
+		delete(c.calls, cl.id)
+	}
+	c.mu.Unlock()
+	cl.q.Close(errdefs.Unavailable("agent %s: call ended", cl.op))
+	cl.credit.Close(errdefs.Unavailable("agent %s: call ended", cl.op))
+}
+
+// cancel tells the guest to abandon a call and forgets it.
+func (c *Client) cancel(cl *call) {
+	c.w.WriteFrame(proto.Frame{Type: proto.TypeCancel, ID: cl.id})
+	c.forget(cl)
+}
+
+// wait consumes a call's frames until its result, which it decodes into
+// out. Data frames go to onData (dropped when nil); an error from onData
+// cancels the call and is returned.
+func (c *Client) wait(ctx context.Context, cl *call, onData func(proto.Frame) error, out any) error {
+	for {
+		f, err := cl.q.Pop(ctx)
+		if err != nil {
+			if ctx.Err() != nil {
+				c.cancel(cl)
+				return ctxError(cl.op, ctx.Err())
+			}
+			return err
+		}
+		switch f.Type {
+		case proto.TypeData:
+			if onData != nil {
+				if err := onData(f); err != nil {
+					c.cancel(cl)
+					return err
+				}
+			}
+			c.consumed(cl, len(f.Payload))
+		case proto.TypeResult:
+			c.forget(cl)
+			var res proto.Result
+			if err := json.Unmarshal(f.Payload, &res); err != nil {
+				return fmt.Errorf("agent %s: bad result: %w", cl.op, err)
+			}
+			if res.Error != nil {
+				return res.Error.Err()
+			}
+			if out != nil && len(res.Result) > 0 {
+				if err := json.Unmarshal(res.Result, out); err != nil {
+					return fmt.Errorf("agent %s: bad result: %w", cl.op, err)
+				}
+			}
+			return nil
+		}
+	}
+}
+
+// consumed returns credit to the guest in batches.
+func (c *Client) consumed(cl *call, n int) {
+	cl.acked += n
+	if cl.acked < proto.InitialWindow/4 {
+		return
+	}
+	inc := cl.acked
+	cl.acked = 0
+	c.w.WriteFrame(proto.Frame{Type: proto.TypeWindow, ID: cl.id, Payload: proto.WindowPayload(uint32(inc))})
+}
+
+// sendStream copies r to the guest as data frames of stream st, ending with
+// FlagEOF. A read error is returned after the call is cancelled in the
+// guest, so that nothing half-sent is committed.
+func (c *Client) sendStream(ctx context.Context, cl *call, st proto.Stream, r io.Reader) error {
+	buf := make([]byte, 32<<10)
+	for {
+		n, rerr := r.Read(buf)
+		for p := buf[:n]; len(p) > 0; {
+			k, err := cl.credit.Take(ctx, len(p))
+			if err != nil {
+				return err
+			}
+			if err := c.w.WriteFrame(proto.Frame{Type: proto.TypeData, Flags: uint16(st), ID: cl.id, Payload: p[:k]}); err != nil {
+				return err
+			}
+			p = p[k:]
+		}
+		if rerr == io.EOF {
+			return c.w.WriteFrame(proto.Frame{Type: proto.TypeData, Flags: uint16(st) | proto.FlagEOF, ID: cl.id})
+		}
+		if rerr != nil {
+			c.w.WriteFrame(proto.Frame{Type: proto.TypeCancel, ID: cl.id})
+			return rerr
+		}
+	}
+}
+
+// do runs a call without data streams.
+func (c *Client) do(ctx context.Context, op string, args, out any) error {
+	cl, err := c.start(op, args)
+	if err != nil {
+		return err
+	}
+	return c.wait(ctx, cl, nil, out)
+}
+
+// deadlineError is a call whose context deadline passed: class
+// errdefs.ErrDeadlineExceeded, and context.DeadlineExceeded.
+type deadlineError struct{ op string }
+
+func (e *deadlineError) Error() string {
+	return "agent " + e.op + ": " + context.DeadlineExceeded.Error()
+}
+
+func (e *deadlineError) Unwrap() []error {
+	return []error{errdefs.ErrDeadlineExceeded, context.DeadlineExceeded}
+}
+
+func ctxError(op string, err error) error {
+	if errors.Is(err, context.DeadlineExceeded) {
+		return &deadlineError{op: op}
+	}
+	return fmt.Errorf("agent %s: %w", op, err)
+}
+
+// Ping asks the agent for its version, uptime and identity.
+func (c *Client) Ping(ctx context.Context) (*proto.PingResult, error) {
+	var res proto.PingResult
+	if err := c.do(ctx, proto.OpPing, nil, &res); err != nil {
+		return nil, err
+	}
+	return &res, nil
+}
+
+// Init sets the guest's clock, adds entropy to its RNG (and reseeds the warm
+// interpreter's random generators) and sets its identity. Send it after
+// first boot and after every restore.
+func (c *Client) Init(ctx context.Context, req proto.InitRequest) error {
+	return c.do(ctx, proto.OpInit, req, nil)
+}

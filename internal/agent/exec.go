@@ -1,0 +1,207 @@
+package agent
+
+import (
+	"context"
+	"io"
+	"time"
+
+	"github.com/forkd/forkd/internal/agent/proto"
+)
+
+// ExecRequest describes a process to run in the guest.
+type ExecRequest struct {
+	// Args is the argv (looked up in PATH when Args[0] has no slash);
+	// Shell, instead, runs under /bin/sh -c.
+	Args  []string
+	Shell string
+	// Env is added to the guest's default environment (PATH, HOME, ...).
+	Env map[string]string
+	// Dir is the working directory; the user's home (or /) when empty.
+	Dir string
+	// User is a name or uid from the guest's /etc/passwd; the agent's own
+	// user (root) when empty.
+	User string
+	// Stdin, when set, is streamed to the process. For a background process
+	// it is fed by a goroutine that lives until Stdin ends or the Client
+	// stops. Without it the process reads /dev/null.
+	Stdin io.Reader
+	// Stdout and Stderr receive output as it is produced (nil discards).
+	// Not used for background processes: see ConnectProcess.
+	Stdout, Stderr io.Writer
+	// Timeout, when positive, kills the process group after this long;
+	// the result then has TimedOut.
+	Timeout time.Duration
+	// Background returns as soon as the process started (Running, PID).
+	Background bool
+	// Tag labels a background process in Processes.
+	Tag string
+}
+
+// Exec runs a process. A foreground call returns when the process has
+// ended and its output was delivered; ending ctx kills the process group.
+func (c *Client) Exec(ctx context.Context, req ExecRequest) (*proto.ExecResult, error) {
+	wire := proto.ExecRequest{
+		Args: req.Args, Shell: req.Shell, Env: req.Env, Dir: req.Dir, User: req.User,
+		Stdin: req.Stdin != nil, Timeout: req.Timeout, Background: req.Background, Tag: req.Tag,
+	}
+	cl, err := c.start(proto.OpExec, wire)
+	if err != nil {
+		return nil, err
+	}
+	if req.Stdin != nil && !req.Background {
+		sctx, stop := context.WithCancel(ctx)
+		defer stop()
+		go c.sendStream(sctx, cl, proto.StreamStdin, req.Stdin)
+	}
+	var res proto.ExecResult
+	err = c.wait(ctx, cl, func(f proto.Frame) error {
+		var w io.Writer
+		switch f.Stream() {
+		case proto.StreamStdout:
+			w = req.Stdout
+		case proto.StreamStderr:
+			w = req.Stderr
+		}
+		if w == nil {
+			return nil
+		}
+		_, err := w.Write(f.Payload)
+		return err
+	}, &res)
+	if err != nil {
+		return nil, err
+	}
+	if req.Background && req.Stdin != nil {
+		go c.feedBackground(res.PID, req.Stdin)
+	}
+	return &res, nil
+}
+
+// feedBackground copies r to a background process's stdin, then closes it.
+func (c *Client) feedBackground(pid int, r io.Reader) {
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go func() {
+		select {
+		case <-c.done:
+			cancel()
+		case <-ctx.Done():
+		}
+	}()
+	buf := make([]byte, 32<<10)
+	for {
+		n, err := r.Read(buf)
+		if n > 0 {
+			if c.SendStdin(ctx, pid, buf[:n]) != nil {
+				return
+			}
+		}
+		if err != nil {
+			c.CloseStdin(ctx, pid)
+			return
+		}
+	}
+}
+
+// Processes lists the guest's processes started by the agent: running ones
+// and recently ended background ones.
+func (c *Client) Processes(ctx context.Context) ([]proto.ProcessInfo, error) {
+	var res proto.ProcessList
+	if err := c.do(ctx, proto.OpProcessList, nil, &res); err != nil {
+		return nil, err
+	}
+	return res.Processes, nil
+}
+
+// WaitProcess waits for a process to end and returns its result.
+func (c *Client) WaitProcess(ctx context.Context, pid int) (*proto.ExecResult, error) {
+	var res proto.ExecResult
+	if err := c.do(ctx, proto.OpProcessWait, proto.ProcessRef{PID: pid}, &res); err != nil {
+		return nil, err
+	}
+	return &res, nil
+}
+
+// SignalProcess sends a signal ("SIGTERM", "TERM", "15") to a process's
+// group.
+func (c *Client) SignalProcess(ctx context.Context, pid int, signal string) error {
+	return c.do(ctx, proto.OpProcessSignal, proto.SignalRequest{PID: pid, Signal: signal}, nil)
+}
+
+// KillProcess sends SIGKILL to a process's group.
+func (c *Client) KillProcess(ctx context.Context, pid int) error {
+	return c.do(ctx, proto.OpProcessKill, proto.ProcessRef{PID: pid}, nil)
+}
+
+// SendStdin writes to the stdin of a background process started with Stdin.
+func (c *Client) SendStdin(ctx context.Context, pid int, data []byte) error {
+	return c.do(ctx, proto.OpProcessStdin, proto.StdinRequest{PID: pid, Data: data}, nil)
+}
+
+// CloseStdin closes the stdin of a background process.
+func (c *Client) CloseStdin(ctx context.Context, pid int) error {
+	return c.do(ctx, proto.OpProcessStdin, proto.StdinRequest{PID: pid, EOF: true}, nil)
+}
+
+// ConnectProcess attaches to a background process: it writes the recent
+// output the agent kept (up to 64 KiB per stream), then live output, and
+// returns the process's result when it ends. Ending ctx detaches without
+// affecting the process.
+func (c *Client) ConnectProcess(ctx context.Context, pid int, stdout, stderr io.Writer) (*proto.ExecResult, error) {
+	cl, err := c.start(proto.OpProcessConnect, proto.ProcessRef{PID: pid})
+	if err != nil {
+		return nil, err
+	}
+	var res proto.ExecResult
+	err = c.wait(ctx, cl, func(f proto.Frame) error {
+		w := stdout
+		if f.Stream() == proto.StreamStderr {
+			w = stderr
+		}
+		if w == nil {
+			return nil
+		}
+		_, err := w.Write(f.Payload)
+		return err
+	}, &res)
+	if err != nil {
+		return nil, err
+	}
+	return &res, nil
+}
+
+// Eval runs Python code in the guest's warm interpreter. Exceptions and
+// timeouts of the code are reported in the result; the error is for the
+// call itself (errdefs.ErrNotImplemented: the image has no Python;
+// errdefs.ErrUnavailable: the interpreter could not run).
+func (c *Client) Eval(ctx context.Context, req proto.EvalRequest) (*proto.EvalResult, error) {
+	return c.EvalStream(ctx, req, nil, nil)
+}
+
+// EvalStream is Eval that also writes the code's output to stdout and stderr
+// as it is produced.
+func (c *Client) EvalStream(ctx context.Context, req proto.EvalRequest, stdout, stderr io.Writer) (*proto.EvalResult, error) {
+	wire := struct {
+		proto.EvalRequest
+		Stream bool `json:"stream,omitempty"`
+	}{req, stdout != nil || stderr != nil}
+	cl, err := c.start(proto.OpEval, wire)
+	if err != nil {
+		return nil, err
+	}
+	var res proto.EvalResult
+	err = c.wait(ctx, cl, func(f proto.Frame) error {
+		w := stdout
+		if f.Stream() == proto.StreamStderr {
+			w = stderr
+		}
+		if w != nil {
+			w.Write(f.Payload) // a failing writer must not lose the result
+		}
+		return nil
+	}, &res)
+	if err != nil {
+		return nil, err
+	}
+	return &res, nil
+}

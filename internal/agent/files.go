@@ -1,0 +1,127 @@
+package agent
+
+import (
+	"context"
+	"io"
+	"io/fs"
+
+	"github.com/forkd/forkd/internal/agent/proto"
+)
+
+// ReadFile streams the guest file at path (absolute) into w and returns the
+// number of bytes written.
+func (c *Client) ReadFile(ctx context.Context, path string, w io.Writer) (int64, error) {
+	cl, err := c.start(proto.OpFileRead, proto.PathRequest{Path: path})
+	if err != nil {
+		return 0, err
+	}
+	var n int64
+	err = c.wait(ctx, cl, func(f proto.Frame) error {
+		k, err := w.Write(f.Payload)
+		n += int64(k)
+		return err
+	}, nil)
+	return n, err
+}
+
+// WriteFile streams r into the guest file at path (absolute), creating
+// parent directories. The file is replaced atomically once r is at EOF;
+// a read error from r, or ctx ending, leaves the old file in place. mode's
+// permission bits (with setuid, setgid, sticky) apply; 0 keeps an existing
+// file's mode or gives 0644. It returns the number of bytes sent.
+func (c *Client) WriteFile(ctx context.Context, path string, r io.Reader, mode fs.FileMode) (int64, error) {
+	cl, err := c.start(proto.OpFileWrite, proto.WriteRequest{Path: path, Mode: modeBits(mode)})
+	if err != nil {
+		return 0, err
+	}
+	cr := &countingReader{r: r}
+	sctx, stop := context.WithCancel(ctx)
+	defer stop()
+	sent := make(chan error, 1)
+	go func() { sent <- c.sendStream(sctx, cl, proto.StreamFile, cr) }()
+	err = c.wait(ctx, cl, nil, nil)
+	if err == nil {
+		// The guest answers only after the EOF frame: the sender is done.
+		<-sent
+		return cr.n, nil
+	}
+	select {
+	case <-sent:
+		if cr.err != nil {
+			return cr.n, cr.err
+		}
+	default: // the sender may be blocked reading r; let it finish alone
+	}
+	return 0, err
+}
+
+// countingReader counts bytes and remembers a read error other than EOF.
+type countingReader struct {
+	r   io.Reader
+	n   int64
+	err error
+}
+
+func (c *countingReader) Read(p []byte) (int, error) {
+	n, err := c.r.Read(p)
+	c.n += int64(n)
+	if err != nil && err != io.EOF {
+		c.err = err
+	}
+	return n, err
+}
+
+func modeBits(m fs.FileMode) uint32 {
+	b := uint32(m.Perm())
+	if m&fs.ModeSetuid != 0 {
+		b |= 0o4000
+	}
+	if m&fs.ModeSetgid != 0 {
+		b |= 0o2000
+	}
+	if m&fs.ModeSticky != 0 {
+		b |= 0o1000
+	}
+	return b
+}
+
+// ListDir lists the directory at path to depth levels (1: its entries
+// only), sorted by path, not following symlinks.
+func (c *Client) ListDir(ctx context.Context, path string, depth int) ([]proto.FileInfo, error) {
+	var res proto.ListResult
+	if err := c.do(ctx, proto.OpFileList, proto.ListRequest{Path: path, Depth: depth}, &res); err != nil {
+		return nil, err
+	}
+	return res.Entries, nil
+}
+
+// Stat describes path without following a final symlink.
+func (c *Client) Stat(ctx context.Context, path string) (*proto.FileInfo, error) {
+	var res proto.FileInfo
+	if err := c.do(ctx, proto.OpFileStat, proto.PathRequest{Path: path}, &res); err != nil {
+		return nil, err
+	}
+	return &res, nil
+}
+
+// MakeDir creates a directory and its parents. It reports false when the
+// directory already existed; a non-directory in the way is
+// errdefs.ErrAlreadyExists.
+func (c *Client) MakeDir(ctx context.Context, path string) (bool, error) {
+	var res proto.MkdirResult
+	if err := c.do(ctx, proto.OpFileMkdir, proto.PathRequest{Path: path}, &res); err != nil {
+		return false, err
+	}
+	return res.Created, nil
+}
+
+// Remove removes path; a non-empty directory needs recursive
+// (errdefs.ErrFailedPrecondition otherwise).
+func (c *Client) Remove(ctx context.Context, path string, recursive bool) error {
+	return c.do(ctx, proto.OpFileRemove, proto.RemoveRequest{Path: path, Recursive: recursive}, nil)
+}
+
+// Rename renames from to to, replacing a file at to.
+func (c *Client) Rename(ctx context.Context, from, to string) error {
+	return c.do(ctx, proto.OpFileRename, proto.RenameRequest{From: from, To: to}, nil)
+}

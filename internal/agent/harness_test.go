@@ -1,0 +1,225 @@
+package agent_test
+
+import (
+	"context"
+	"io"
+	"net"
+	"os"
+	"os/exec"
+	"strconv"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/forkd/forkd/internal/agent"
+	"github.com/forkd/forkd/internal/guest"
+)
+
+// chardev models QEMU's socket chardev behind a virtconsole: the guest's
+// stream never ends, hosts connect and disconnect over unix sockets, and
+// what the guest writes while no host is connected is lost.
+type chardev struct {
+	t       *testing.T
+	toGuest *os.File // the test writes what the guest reads
+	mu      sync.Mutex
+	host    *os.File // guarded by mu; the relay's end of the connected host's socket
+	agent   *guest.Agent
+	sys     *fakeSystem
+}
+
+// guestStream is the guest's side: reads from one pipe, writes to another,
+// with read deadlines like the real console.
+type guestStream struct{ r, w *os.File }
+
+func (g guestStream) Read(p []byte) (int, error)        { return g.r.Read(p) }
+func (g guestStream) Write(p []byte) (int, error)       { return g.w.Write(p) }
+func (g guestStream) SetReadDeadline(t time.Time) error { return g.r.SetReadDeadline(t) }
+
+// fakeSystem records init's effects instead of changing the host.
+type fakeSystem struct {
+	mu       sync.Mutex
+	time     time.Time
+	entropy  []byte
+	hostname string
+}
+
+func (f *fakeSystem) system() guest.System {
+	return guest.System{
+		SetTime: func(t time.Time) error {
+			f.mu.Lock()
+			defer f.mu.Unlock()
+			f.time = t
+			return nil
+		},
+		AddEntropy: func(b []byte) error {
+			f.mu.Lock()
+			defer f.mu.Unlock()
+			f.entropy = append([]byte(nil), b...)
+			return nil
+		},
+		SetHostname: func(s string) error {
+			f.mu.Lock()
+			defer f.mu.Unlock()
+			f.hostname = s
+			return nil
+		},
+	}
+}
+
+// startGuest runs an agent on a new chardev. System effects are faked.
+func startGuest(t *testing.T, cfg guest.Config) *chardev {
+	t.Helper()
+	inR, inW, err := os.Pipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	outR, outW, err := os.Pipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cd := &chardev{t: t, toGuest: inW, sys: &fakeSystem{}}
+	cfg.System = cd.sys.system()
+	if cfg.PartialTimeout == 0 {
+		cfg.PartialTimeout = 500 * time.Millisecond
+	}
+	cd.agent = guest.New(cfg)
+	served := make(chan struct{})
+	go func() {
+		defer close(served)
+		cd.agent.Serve(context.Background(), guestStream{inR, outW})
+	}()
+	go cd.relayOut(outR)
+	t.Cleanup(func() {
+		cd.disconnect()
+		inW.Close()
+		<-served
+		cd.agent.Close()
+		inR.Close()
+		outW.Close()
+		outR.Close()
+	})
+	return cd
+}
+
+// relayOut copies the guest's output to the connected host, if any.
+func (cd *chardev) relayOut(r *os.File) {
+	buf := make([]byte, 64<<10)
+	for {
+		n, err := r.Read(buf)
+		if n > 0 {
+			cd.mu.Lock()
+			h := cd.host
+			cd.mu.Unlock()
+			if h != nil {
+				h.Write(buf[:n])
+			}
+		}
+		if err != nil {
+			return
+		}
+	}
+}
+
+// connect attaches a new host and returns its connection.
+func (cd *chardev) connect() net.Conn {
+	cd.t.Helper()
+	fds, err := syscall.Socketpair(syscall.AF_UNIX, syscall.SOCK_STREAM|syscall.SOCK_CLOEXEC|syscall.SOCK_NONBLOCK, 0)
+	if err != nil {
+		cd.t.Fatal(err)
+	}
+	hostFile := os.NewFile(uintptr(fds[0]), "host")
+	relay := os.NewFile(uintptr(fds[1]), "relay")
+	conn, err := net.FileConn(hostFile)
+	hostFile.Close()
+	if err != nil {
+		cd.t.Fatal(err)
+	}
+	cd.disconnect()
+	cd.mu.Lock()
+	cd.host = relay
+	cd.mu.Unlock()
+	go func() {
+		io.Copy(cd.toGuest, relay)
+		cd.mu.Lock()
+		if cd.host == relay {
+			cd.host = nil
+		}
+		cd.mu.Unlock()
+		relay.Close()
+	}()
+	return conn
+}
+
+// disconnect drops the connected host, as QEMU does when its peer closes.
+func (cd *chardev) disconnect() {
+	cd.mu.Lock()
+	h := cd.host
+	cd.host = nil
+	cd.mu.Unlock()
+	if h != nil {
+		h.Close()
+	}
+}
+
+// dial connects a new host and performs the handshake.
+func (cd *chardev) dial() *agent.Client {
+	cd.t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
+	defer cancel()
+	c, err := agent.Dial(ctx, cd.connect(), agent.Options{})
+	if err != nil {
+		cd.t.Fatalf("Dial: %v", err)
+	}
+	cd.t.Cleanup(func() { c.Close() })
+	return c
+}
+
+// testCtx bounds one test's calls.
+func testCtx(t *testing.T) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+// python returns an interpreter for eval tests, or skips.
+func python(t *testing.T) string {
+	t.Helper()
+	for _, p := range []string{"/usr/bin/python3", "/usr/local/bin/python3"} {
+		if _, err := os.Stat(p); err == nil {
+			return p
+		}
+	}
+	if p, err := exec.LookPath("python3"); err == nil {
+		return p
+	}
+	t.Skip("eval tests need python3 on the host")
+	return ""
+}
+
+// gone reports whether pid no longer exists or is a zombie.
+func gone(pid int) bool {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	if err != nil {
+		return true
+	}
+	// The state follows the command in parentheses.
+	for i := len(b) - 1; i >= 0; i-- {
+		if b[i] == ')' {
+			return i+2 < len(b) && (b[i+2] == 'Z' || b[i+2] == 'X')
+		}
+	}
+	return false
+}
+
+// waitGone polls until pid is gone or the deadline passes.
+func waitGone(t *testing.T, pid int, within time.Duration) {
+	t.Helper()
+	deadline := time.Now().Add(within)
+	for !gone(pid) {
+		if time.Now().After(deadline) {
+			t.Fatalf("process %d still alive after %v", pid, within)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}

@@ -204,7 +204,8 @@ func (b *Builder) progressf(format string, args ...any) {
 }
 
 func (b *Builder) debTools() deb.Tools {
-	return deb.Tools{AptGet: b.Tools.AptGet, AptCache: b.Tools.AptCache, DpkgDeb: b.Tools.DpkgDeb, ListsDir: b.AptListsDir}
+	return deb.Tools{AptGet: b.Tools.AptGet, AptCache: b.Tools.AptCache, DpkgDeb: b.Tools.DpkgDeb, ListsDir: b.AptListsDir,
+		Memo: filepath.Join(b.CacheDir, "apt-candidates.json")}
 }
 
 func (b *Builder) rootfsTools() rootfs.Tools {

@@ -7,6 +7,9 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"os"
@@ -14,6 +17,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"slices"
+	"sort"
 	"strings"
 
 	"github.com/forkd/forkd/internal/errdefs"
@@ -28,6 +32,10 @@ type Tools struct {
 	// ListsDir is apt's lists directory ("" means /var/lib/apt/lists). When
 	// it holds no package index, the first lookup runs apt-get update.
 	ListsDir string
+	// Memo, if set, is a file where Candidate remembers its answers for as
+	// long as apt's package lists are unchanged (apt-cache takes most of a
+	// second per question when apt keeps no binary cache).
+	Memo string
 }
 
 // Package is one binary package: its control fields of interest.
@@ -68,6 +76,9 @@ func (t Tools) Candidate(ctx context.Context, name string) (Package, error) {
 			return Package{}, err
 		}
 	}
+	if p, ok := t.recall(name); ok {
+		return p, nil
+	}
 	p, err := t.candidate(ctx, name)
 	if errdefs.IsNotFound(err) {
 		if uerr := t.Update(ctx); uerr != nil {
@@ -75,7 +86,78 @@ func (t Tools) Candidate(ctx context.Context, name string) (Package, error) {
 		}
 		p, err = t.candidate(ctx, name)
 	}
+	if err == nil {
+		t.remember(name, p)
+	}
 	return p, err
+}
+
+// memo is the content of Tools.Memo.
+type memo struct {
+	Lists    string             `json:"lists"` // fingerprint of apt's lists
+	Packages map[string]Package `json:"packages"`
+}
+
+// listsFingerprint names the current state of apt's package lists: their
+// names, sizes and modification times.
+func (t Tools) listsFingerprint() string {
+	m, _ := filepath.Glob(filepath.Join(t.listsDir(), "*_Packages*"))
+	sort.Strings(m)
+	h := sha256.New()
+	for _, f := range m {
+		if fi, err := os.Stat(f); err == nil {
+			fmt.Fprintf(h, "%s %d %d\n", f, fi.Size(), fi.ModTime().UnixNano())
+		}
+	}
+	return hex.EncodeToString(h.Sum(nil))
+}
+
+func (t Tools) readMemo() memo {
+	var m memo
+	if t.Memo == "" {
+		return m
+	}
+	if b, err := os.ReadFile(t.Memo); err == nil {
+		_ = json.Unmarshal(b, &m)
+	}
+	if m.Lists != t.listsFingerprint() {
+		m = memo{}
+	}
+	return m
+}
+
+func (t Tools) recall(name string) (Package, bool) {
+	p, ok := t.readMemo().Packages[name]
+	return p, ok
+}
+
+// remember records an answer in the memo file, best effort: it is written
+// to a temporary file and renamed, so readers never see it half written.
+func (t Tools) remember(name string, p Package) {
+	if t.Memo == "" {
+		return
+	}
+	m := t.readMemo()
+	m.Lists = t.listsFingerprint()
+	if m.Packages == nil {
+		m.Packages = map[string]Package{}
+	}
+	m.Packages[name] = p
+	b, err := json.Marshal(m)
+	if err != nil {
+		return
+	}
+	if err := os.MkdirAll(filepath.Dir(t.Memo), 0o755); err != nil {
+		return
+	}
+	f, err := os.CreateTemp(filepath.Dir(t.Memo), ".tmp-"+filepath.Base(t.Memo)+"-")
+	if err != nil {
+		return
+	}
+	_, werr := f.Write(b)
+	if cerr := f.Close(); werr != nil || cerr != nil || os.Rename(f.Name(), t.Memo) != nil {
+		os.Remove(f.Name())
+	}
 }
 
 func (t Tools) candidate(ctx context.Context, name string) (Package, error) {
@@ -98,6 +180,9 @@ func (t Tools) candidate(ctx context.Context, name string) (Package, error) {
 // Update runs apt-get update. It needs root.
 func (t Tools) Update(ctx context.Context) error {
 	if _, err := run(ctx, "", t.tool(t.AptGet, "apt-get"), "update", "-q"); err != nil {
+		if errdefs.IsFailedPrecondition(err) || ctx.Err() != nil {
+			return err
+		}
 		if os.Geteuid() != 0 {
 			return errdefs.FailedPrecondition("apt has no package lists and apt-get update needs root: %v", err)
 		}
@@ -106,12 +191,15 @@ func (t Tools) Update(ctx context.Context) error {
 	return nil
 }
 
-func (t Tools) haveLists() bool {
-	dir := t.ListsDir
-	if dir == "" {
-		dir = "/var/lib/apt/lists"
+func (t Tools) listsDir() string {
+	if t.ListsDir != "" {
+		return t.ListsDir
 	}
-	m, _ := filepath.Glob(filepath.Join(dir, "*_Packages*"))
+	return "/var/lib/apt/lists"
+}
+
+func (t Tools) haveLists() bool {
+	m, _ := filepath.Glob(filepath.Join(t.listsDir(), "*_Packages*"))
 	return len(m) > 0
 }
 

@@ -341,8 +341,8 @@ func (c *Client) consumed(cl *call, n int) {
 }
 
 // sendStream copies r to the guest as data frames of stream st, ending with
-// FlagEOF. A read error is returned after the call is cancelled in the
-// guest, so that nothing half-sent is committed.
+// FlagEOF at r's EOF. It returns r's other errors without ending the
+// stream: the caller decides between EOF and cancelling the call.
 func (c *Client) sendStream(ctx context.Context, cl *call, st proto.Stream, r io.Reader) error {
 	buf := make([]byte, 32<<10)
 	for {
@@ -361,11 +361,16 @@ func (c *Client) sendStream(ctx context.Context, cl *call, st proto.Stream, r io
 			return c.w.WriteFrame(proto.Frame{Type: proto.TypeData, Flags: uint16(st) | proto.FlagEOF, ID: cl.id})
 		}
 		if rerr != nil {
-			c.w.WriteFrame(proto.Frame{Type: proto.TypeCancel, ID: cl.id})
-			return rerr
+			return &readError{rerr}
 		}
 	}
 }
+
+// readError is an error from the caller's reader in sendStream.
+type readError struct{ err error }
+
+func (e *readError) Error() string { return e.err.Error() }
+func (e *readError) Unwrap() error { return e.err }
 
 // do runs a call without data streams.
 func (c *Client) do(ctx context.Context, op string, args, out any) error {

@@ -2,6 +2,7 @@ package agent
 
 import (
 	"context"
+	"errors"
 	"io"
 	"time"
 
@@ -51,7 +52,13 @@ func (c *Client) Exec(ctx context.Context, req ExecRequest) (*proto.ExecResult, 
 	if req.Stdin != nil && !req.Background {
 		sctx, stop := context.WithCancel(ctx)
 		defer stop()
-		go c.sendStream(sctx, cl, proto.StreamStdin, req.Stdin)
+		go func() {
+			var re *readError
+			if err := c.sendStream(sctx, cl, proto.StreamStdin, req.Stdin); errors.As(err, &re) {
+				// A broken stdin source ends the process's stdin.
+				c.w.WriteFrame(proto.Frame{Type: proto.TypeData, Flags: uint16(proto.StreamStdin) | proto.FlagEOF, ID: cl.id})
+			}
+		}()
 	}
 	var res proto.ExecResult
 	err = c.wait(ctx, cl, func(f proto.Frame) error {

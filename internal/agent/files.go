@@ -2,6 +2,7 @@ package agent
 
 import (
 	"context"
+	"errors"
 	"io"
 	"io/fs"
 
@@ -37,8 +38,19 @@ func (c *Client) WriteFile(ctx context.Context, path string, r io.Reader, mode f
 	cr := &countingReader{r: r}
 	sctx, stop := context.WithCancel(ctx)
 	defer stop()
-	sent := make(chan error, 1)
-	go func() { sent <- c.sendStream(sctx, cl, proto.StreamFile, cr) }()
+	sent := make(chan struct{})
+	readFailed := make(chan struct{})
+	var readErr error
+	go func() {
+		defer close(sent)
+		var re *readError
+		if err := c.sendStream(sctx, cl, proto.StreamFile, cr); errors.As(err, &re) {
+			// Abandon the write in the guest: nothing half-sent is committed.
+			readErr = re.err
+			close(readFailed)
+			c.w.WriteFrame(proto.Frame{Type: proto.TypeCancel, ID: cl.id})
+		}
+	}()
 	err = c.wait(ctx, cl, nil, nil)
 	if err == nil {
 		// The guest answers only after the EOF frame: the sender is done.
@@ -46,28 +58,22 @@ func (c *Client) WriteFile(ctx context.Context, path string, r io.Reader, mode f
 		return cr.n, nil
 	}
 	select {
-	case <-sent:
-		if cr.err != nil {
-			return cr.n, cr.err
-		}
+	case <-readFailed:
+		return cr.n, readErr
 	default: // the sender may be blocked reading r; let it finish alone
 	}
 	return 0, err
 }
 
-// countingReader counts bytes and remembers a read error other than EOF.
+// countingReader counts the bytes read.
 type countingReader struct {
-	r   io.Reader
-	n   int64
-	err error
+	r io.Reader
+	n int64
 }
 
 func (c *countingReader) Read(p []byte) (int, error) {
 	n, err := c.r.Read(p)
 	c.n += int64(n)
-	if err != nil && err != io.EOF {
-		c.err = err
-	}
 	return n, err
 }
 

@@ -1,7 +1,9 @@
 # forkd warm interpreter: runs eval requests for the guest agent.
 #
-# The agent starts this with `python3 -c <this file> [module ...]`, the
-# modules to preload as arguments. Protocol: one JSON object per line,
+# The agent starts this as
+#   python3 -c "import sys; exec(compile(sys.argv[1], '<forkd>', 'exec'))" <this file> [module ...]
+# so that its frames can be told apart from a cell's, with the modules to
+# preload as arguments. Protocol: one JSON object per line,
 # requests on fd 3, replies on fd 4.
 #   request  {"id": N, "op": "eval", "code": "..."}
 #            {"id": N, "op": "reseed", "seed": "<hex>"}
@@ -117,7 +119,11 @@ def _error(e):
     tb = e.__traceback__
     while tb is not None and not tb.tb_frame.f_code.co_filename.startswith("<cell-"):
         tb = tb.tb_next
-    text = "".join(traceback.format_exception(type(e), e, tb))
+    te = traceback.TracebackException(type(e), e, tb)
+    # The server's own frames (the SIGINT handler, a deferred interrupt in
+    # _send) are noise to the user.
+    te.stack[:] = [f for f in te.stack if f.filename != "<forkd>"]
+    text = "".join(te.format())
     return {"name": type(e).__name__, "message": str(e), "traceback": text}
 
 
@@ -174,7 +180,7 @@ def _reseed(seed):
 
 
 def main():
-    preload = sys.argv[1:]
+    preload = sys.argv[2:]
     sys.argv = [""]
     for fd in (REQ_FD, RESP_FD):
         os.set_inheritable(fd, False)

@@ -20,6 +20,10 @@ import (
 //go:embed pyserver.py
 var pyServer string
 
+// pyBootstrap runs pyServer (argv[1]) under the file name "<forkd>", which
+// its tracebacks filter out.
+const pyBootstrap = "import sys; exec(compile(sys.argv[1], '<forkd>', 'exec'))"
+
 // maxCapture bounds the stdout and stderr an EvalResult carries.
 const maxCapture = 1 << 20
 
@@ -155,7 +159,7 @@ func (in *interp) startLocked() *pyProc {
 // spawn starts pyserver.py with fds 0 /dev/null, 1 and 2 pipes whose
 // output goes to the eval in progress, 3 requests, 4 replies.
 func (in *interp) spawn(p *pyProc) error {
-	args := append([]string{in.path, "-c", pyServer}, in.preload...)
+	args := append([]string{in.path, "-c", pyBootstrap, pyServer}, in.preload...)
 	cmd, err := in.a.resolve(&proto.ExecRequest{Args: args, Dir: in.a.cfg.PythonDir})
 	if err != nil {
 		return err

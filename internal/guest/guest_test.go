@@ -1,0 +1,173 @@
+package guest
+
+import (
+	"os"
+	"path/filepath"
+	"reflect"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+)
+
+func TestParseCmdline(t *testing.T) {
+	got := parseCmdline(`console=ttyS0 quiet forkd.root=/dev/vda forkd.preload=numpy,json  init="/init x" forkd.python=` + "\n")
+	want := map[string]string{
+		"console": "ttyS0", "quiet": "", "forkd.root": "/dev/vda",
+		"forkd.preload": "numpy,json", "init": "/init x", "forkd.python": "",
+	}
+	if !reflect.DeepEqual(got, want) {
+		t.Fatalf("got %v", got)
+	}
+}
+
+func TestLoadBootConfig(t *testing.T) {
+	dir := t.TempDir()
+	fakePy := filepath.Join(dir, "python3")
+	os.WriteFile(fakePy, []byte("#!/bin/sh\n"), 0o755)
+	cfgPath := filepath.Join(dir, "agent.json")
+	os.WriteFile(cfgPath, []byte(`{"python": "`+fakePy+`", "preload": ["numpy"], "env": ["A=1"], "eval_grace_ms": 500}`), 0o644)
+
+	bc, err := loadBootConfig(map[string]string{}, cfgPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if bc.agent.Python != fakePy || !reflect.DeepEqual(bc.agent.Preload, []string{"numpy"}) ||
+		bc.agent.EvalGrace != 500*time.Millisecond || bc.console != DefaultConsole || bc.rootFSType != "ext4" {
+		t.Fatalf("from file: %+v", bc)
+	}
+	if env := bc.agent.Env; len(env) != len(DefaultEnv)+1 || env[len(env)-1] != "A=1" {
+		t.Fatalf("env %v", env)
+	}
+
+	// The command line wins over the file.
+	bc, err = loadBootConfig(map[string]string{
+		KeyPreload: "json, os", KeyRoot: "/dev/vda", KeyRootFSType: "xfs", KeyConsole: "/dev/hvc1", KeyDebug: "1",
+	}, cfgPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !reflect.DeepEqual(bc.agent.Preload, []string{"json", "os"}) || bc.root != "/dev/vda" ||
+		bc.rootFSType != "xfs" || bc.console != "/dev/hvc1" || !bc.debug {
+		t.Fatalf("from cmdline: %+v", bc)
+	}
+	bc, _ = loadBootConfig(map[string]string{KeyPython: "none"}, cfgPath)
+	if bc.agent.Python != "" {
+		t.Fatalf("python=none kept %q", bc.agent.Python)
+	}
+	// A configured interpreter that is missing disables eval, with a reason.
+	bc, err = loadBootConfig(map[string]string{KeyPython: "/no/python"}, cfgPath)
+	if bc.agent.Python != "" || err == nil || !strings.Contains(err.Error(), "/no/python") {
+		t.Fatalf("missing python: %q, %v", bc.agent.Python, err)
+	}
+	// A broken file is reported; defaults remain.
+	os.WriteFile(cfgPath, []byte(`{`), 0o644)
+	if _, err := loadBootConfig(nil, cfgPath); err == nil {
+		t.Fatal("broken agent.json accepted silently")
+	}
+}
+
+func TestRing(t *testing.T) {
+	r := newRing(8)
+	buf := make([]byte, 16)
+	n, next, ended, _ := r.readAt(0, buf)
+	if n != 0 || next != 0 || ended {
+		t.Fatalf("empty ring: %d %d %v", n, next, ended)
+	}
+	r.Write([]byte("abcde"))
+	n, next, _, _ = r.readAt(0, buf)
+	if string(buf[:n]) != "abcde" || next != 5 {
+		t.Fatalf("read %q next %d", buf[:n], next)
+	}
+	r.Write([]byte("fghijk")) // wraps; "abc" is overwritten
+	n, next, _, _ = r.readAt(0, buf)
+	if string(buf[:n]) != "defghijk" || next != 11 {
+		t.Fatalf("after wrap %q next %d", buf[:n], next)
+	}
+	r.Write([]byte("0123456789xyz")) // longer than the ring
+	_, _, _, wake := r.readAt(11, buf)
+	r.close()
+	select {
+	case <-wake:
+	default:
+		t.Fatal("close did not wake readers")
+	}
+	n, next, ended, _ = r.readAt(11, buf)
+	if string(buf[:n]) != "56789xyz" || !ended || next != 24 {
+		t.Fatalf("after overflow %q next %d ended %v", buf[:n], next, ended)
+	}
+}
+
+func TestLookupUser(t *testing.T) {
+	root := t.TempDir()
+	os.MkdirAll(root+"/etc", 0o755)
+	os.WriteFile(root+"/etc/passwd", []byte("root:x:0:0:root:/root:/bin/sh\nalice:x:1000:1000::/home/alice:/bin/bash\nbroken\n"), 0o644)
+	os.WriteFile(root+"/etc/group", []byte("alice:x:1000:\nwheel:x:10:alice,bob\nother:x:11:bob\n"), 0o644)
+	a, err := lookupUser(root, "alice")
+	if err != nil || a.uid != 1000 || a.gid != 1000 || a.home != "/home/alice" || !reflect.DeepEqual(a.groups, []uint32{10}) {
+		t.Fatalf("alice: %+v, %v", a, err)
+	}
+	a, err = lookupUser(root, "1000")
+	if err != nil || a.name != "alice" {
+		t.Fatalf("uid 1000: %+v, %v", a, err)
+	}
+	a, err = lookupUser(root, "4242")
+	if err != nil || a.uid != 4242 || a.gid != 4242 || a.home != "/" {
+		t.Fatalf("unlisted uid: %+v, %v", a, err)
+	}
+	if _, err := lookupUser(root, "mallory"); err == nil {
+		t.Fatal("unknown user found")
+	}
+}
+
+// The reaper collects every child, including one that exits before it is
+// registered, and leaves processes it did not start alone.
+func TestReaper(t *testing.T) {
+	r := processReaper()
+	var chans []<-chan exitStatus
+	for i := range 20 {
+		code := i % 3
+		_, ch, err := r.start(func() (int, error) {
+			return syscall.ForkExec("/bin/sh", []string{"sh", "-c", "exit " + string(rune('0'+code))}, &syscall.ProcAttr{})
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		chans = append(chans, ch)
+	}
+	for i, ch := range chans {
+		select {
+		case st := <-ch:
+			if st.err != nil || st.ws.ExitStatus() != i%3 {
+				t.Fatalf("child %d: %+v", i, st)
+			}
+		case <-time.After(20 * time.Second):
+			t.Fatalf("child %d never reaped", i)
+		}
+	}
+	// A child this package did not start stays for its owner to wait for.
+	pid, err := syscall.ForkExec("/bin/true", []string{"true"}, &syscall.ProcAttr{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(200 * time.Millisecond)
+	r.kick <- struct{}{}
+	time.Sleep(100 * time.Millisecond)
+	var ws syscall.WaitStatus
+	if got, err := syscall.Wait4(pid, &ws, 0, nil); got != pid || err != nil {
+		t.Fatalf("foreign child: wait4 = %d, %v (reaped by the agent?)", got, err)
+	}
+}
+
+func TestParseSignal(t *testing.T) {
+	for in, want := range map[string]syscall.Signal{"SIGTERM": syscall.SIGTERM, "term": syscall.SIGTERM, "9": syscall.SIGKILL, "HUP": syscall.SIGHUP} {
+		if got, err := parseSignal(in); err != nil || got != want {
+			t.Errorf("%q: %v, %v", in, got, err)
+		}
+	}
+	for _, in := range []string{"", "SIGNOPE", "0", "99"} {
+		if _, err := parseSignal(in); err == nil {
+			t.Errorf("%q accepted", in)
+		}
+	}
+}

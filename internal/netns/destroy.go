@@ -1,0 +1,122 @@
+package netns
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/google/nftables"
+)
+
+// Destroy removes slot's network: its published ports, its host link (and
+// with it the veth pair), its namespace (and with it the tap and the
+// namespace's nft table), and the host table when no slot is left. Stop
+// the slot's VMM first: a namespace lives on, unnamed, while a process is
+// inside. Idempotent: a slot with nothing left is not an error. ctx is not
+// consulted; cleanup outlives cancellation.
+func (m *Manager) Destroy(ctx context.Context, slot int) error {
+	if err := m.checkSlot(slot); err != nil {
+		return err
+	}
+	defer m.lockSlot(slot)()
+	return m.destroy(slot)
+}
+
+// destroy does Destroy's work; the caller holds slot's lock.
+func (m *Manager) destroy(slot int) error {
+	n := m.netFor(slot)
+	errs := []error{
+		m.unpublishWhere(func(p pub) bool { return p.slot == slot }),
+		deleteLink(n.HostLink),
+		deleteNamed(n.NetNSPath),
+		m.dropHostIfUnused(),
+	}
+	m.mu.Lock()
+	delete(m.policies, slot)
+	m.mu.Unlock()
+	if err := errors.Join(errs...); err != nil {
+		return fmt.Errorf("destroy network of slot %d: %w", slot, err)
+	}
+	return nil
+}
+
+// Reclaim destroys every slot found on the host (namespace, host link or
+// published port) for which live returns false, then the host table if no
+// slot is left. It is crash recovery: call it at start-up with the slots
+// the caller's persisted state still owns. Errors are joined; Reclaim goes
+// on past a slot it cannot remove.
+func (m *Manager) Reclaim(ctx context.Context, live func(slot int) bool) error {
+	slots, err := m.List(ctx)
+	if err != nil {
+		return err
+	}
+	pubs, err := m.published()
+	if err != nil {
+		return err
+	}
+	seen := map[int]bool{}
+	for _, s := range slots {
+		seen[s] = true
+	}
+	for _, p := range pubs {
+		if p.slot >= 0 && !seen[p.slot] {
+			seen[p.slot] = true
+			slots = append(slots, p.slot)
+		}
+	}
+	var errs []error
+	for _, s := range slots {
+		if live(s) {
+			continue
+		}
+		unlock := m.lockSlot(s)
+		errs = append(errs, m.destroy(s))
+		unlock()
+	}
+	// Stray published ports not matching any slot address.
+	errs = append(errs, m.unpublishWhere(func(p pub) bool { return p.slot < 0 }))
+	errs = append(errs, m.dropHostIfUnused())
+	return errors.Join(errs...)
+}
+
+// dropHostIfUnused deletes the host table when no namespace and no host
+// link of this prefix is left.
+func (m *Manager) dropHostIfUnused() error {
+	m.hostMu.Lock()
+	defer m.hostMu.Unlock()
+	nss, err := m.listNetNS()
+	if err != nil || len(nss) > 0 {
+		return err
+	}
+	links, err := m.listHostLinks()
+	if err != nil || len(links) > 0 {
+		return err
+	}
+	c, err := nftables.New()
+	if err != nil {
+		return err
+	}
+	ok, err := hostTableExists(c, m.opts.Prefix)
+	if err != nil || !ok {
+		return err
+	}
+	c.DelTable(hostTable(m.opts.Prefix))
+	if err := c.Flush(); err != nil {
+		return fmt.Errorf("delete host table %s: %w", m.opts.Prefix, err)
+	}
+	return nil
+}
+
+// hostTableExists reports whether the host table of prefix exists.
+func hostTableExists(c *nftables.Conn, prefix string) (bool, error) {
+	ts, err := c.ListTablesOfFamily(nftables.TableFamilyIPv4)
+	if err != nil {
+		return false, fmt.Errorf("list nft tables: %w", err)
+	}
+	for _, t := range ts {
+		if t.Name == prefix {
+			return true, nil
+		}
+	}
+	return false, nil
+}

@@ -1,0 +1,200 @@
+package netns
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+
+	vnetns "github.com/vishvananda/netns"
+	"golang.org/x/sys/unix"
+
+	"github.com/forkd/forkd/internal/errdefs"
+)
+
+// Enter moves the calling goroutine's OS thread into the network namespace
+// at path and locks the goroutine to it. The returned restore moves the
+// thread back and unlocks it; if moving back fails the thread stays locked,
+// so the runtime discards it when the goroutine exits, and no other
+// goroutine ever runs in the wrong namespace. Call restore from the same
+// goroutine, exactly once.
+//
+// Sockets and processes created between Enter and restore belong to the
+// namespace; Go may still run other goroutines' work elsewhere, so do not
+// start goroutines that expect to be inside.
+func Enter(path string) (restore func() error, err error) {
+	target, err := vnetns.GetFromPath(path)
+	if err != nil {
+		return nil, fmt.Errorf("open netns %s: %w", path, notFound(err))
+	}
+	defer target.Close()
+	runtime.LockOSThread()
+	orig, err := vnetns.Get()
+	if err != nil {
+		runtime.UnlockOSThread()
+		return nil, fmt.Errorf("open own netns: %w", err)
+	}
+	if err := vnetns.Set(target); err != nil {
+		orig.Close()
+		runtime.UnlockOSThread()
+		return nil, fmt.Errorf("setns %s: %w", path, err)
+	}
+	return func() error {
+		defer orig.Close()
+		if err := vnetns.Set(orig); err != nil {
+			return fmt.Errorf("setns back from %s: %w", path, err)
+		}
+		runtime.UnlockOSThread()
+		return nil
+	}, nil
+}
+
+// EnterFunc is a thread-bound step (such as moving the thread into a
+// cgroup) run by StartIn after it entered the namespace; it follows the
+// contract of Enter.
+type EnterFunc func() (restore func() error, err error)
+
+// StartIn starts cmd with its network namespace set to the one at nsPath
+// ("" keeps the caller's), after running the extra thread-bound steps in
+// order. It works on a goroutine of its own whose OS thread is locked for
+// the start and, should restoring fail, discarded; the caller's thread is
+// never touched. Because the child is forked from that thread, do not set
+// SysProcAttr.Pdeathsig together with StartIn: the signal fires when the
+// forking thread exits.
+func StartIn(nsPath string, cmd *exec.Cmd, steps ...EnterFunc) error {
+	if nsPath != "" {
+		steps = append([]EnterFunc{func() (func() error, error) { return Enter(nsPath) }}, steps...)
+	}
+	errc := make(chan error, 1)
+	go func() {
+		// This lock is released only once every step was undone;
+		// otherwise the goroutine exits locked and the runtime discards
+		// its thread, which cannot harm cmd once started.
+		runtime.LockOSThread()
+		var undo cleanup
+		for _, step := range steps {
+			restore, err := step()
+			if err != nil {
+				uerr := undo.run()
+				if uerr == nil {
+					runtime.UnlockOSThread()
+				}
+				errc <- errors.Join(err, uerr)
+				return
+			}
+			undo.add(restore)
+		}
+		err := cmd.Start()
+		if undo.run() == nil {
+			runtime.UnlockOSThread()
+		}
+		errc <- err
+	}()
+	return <-errc
+}
+
+// inNetNS runs fn on a fresh OS thread inside the network namespace at
+// path. The thread is never unlocked, so the runtime discards it when fn
+// returns: nothing else can ever run in that namespace by accident.
+func inNetNS(path string, fn func() error) error {
+	errc := make(chan error, 1)
+	go func() {
+		runtime.LockOSThread() // never unlocked: see above
+		ns, err := vnetns.GetFromPath(path)
+		if err != nil {
+			errc <- fmt.Errorf("open netns %s: %w", path, notFound(err))
+			return
+		}
+		err = vnetns.Set(ns)
+		ns.Close()
+		if err != nil {
+			errc <- fmt.Errorf("setns %s: %w", path, err)
+			return
+		}
+		errc <- fn()
+	}()
+	return <-errc
+}
+
+// createNamed creates a new network namespace and bind-mounts it at path,
+// as `ip netns add` does; dir (path's parent) is made a shared mount point
+// so the namespace is visible in other mount namespaces. It fails with an
+// AlreadyExists-class error when path exists.
+func createNamed(path string) error {
+	if err := ensureNetNSDir(filepath.Dir(path)); err != nil {
+		return err
+	}
+	f, err := os.OpenFile(path, os.O_RDONLY|os.O_CREATE|os.O_EXCL, 0o444)
+	if err != nil {
+		if errors.Is(err, os.ErrExist) {
+			return errdefs.AlreadyExists("netns %s exists", path)
+		}
+		return fmt.Errorf("create netns file: %w", err)
+	}
+	f.Close()
+	errc := make(chan error, 1)
+	go func() {
+		runtime.LockOSThread() // never unlocked: the thread ends up in the new namespace
+		if err := unix.Unshare(unix.CLONE_NEWNET); err != nil {
+			errc <- fmt.Errorf("unshare netns: %w", err)
+			return
+		}
+		src := fmt.Sprintf("/proc/self/task/%d/ns/net", unix.Gettid())
+		if err := unix.Mount(src, path, "none", unix.MS_BIND, ""); err != nil {
+			errc <- fmt.Errorf("bind-mount netns at %s: %w", path, err)
+			return
+		}
+		errc <- nil
+	}()
+	if err := <-errc; err != nil {
+		os.Remove(path)
+		return err
+	}
+	return nil
+}
+
+// ensureNetNSDir makes dir exist and be a shared mount point.
+func ensureNetNSDir(dir string) error {
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return fmt.Errorf("netns dir: %w", err)
+	}
+	bound := false
+	for {
+		err := unix.Mount("", dir, "none", unix.MS_SHARED|unix.MS_REC, "")
+		if err == nil {
+			return nil
+		}
+		if !errors.Is(err, unix.EINVAL) || bound {
+			return fmt.Errorf("make %s a shared mount: %w", dir, err)
+		}
+		// Not a mount point yet: bind it onto itself, then retry.
+		if err := unix.Mount(dir, dir, "none", unix.MS_BIND|unix.MS_REC, ""); err != nil {
+			return fmt.Errorf("bind %s: %w", dir, err)
+		}
+		bound = true
+	}
+}
+
+// deleteNamed unmounts and removes the namespace file at path. The
+// namespace itself lives on while a process is inside it. Idempotent.
+func deleteNamed(path string) error {
+	var errs []error
+	if err := unix.Unmount(path, unix.MNT_DETACH); err != nil &&
+		!errors.Is(err, unix.EINVAL) && !errors.Is(err, unix.ENOENT) {
+		errs = append(errs, fmt.Errorf("unmount netns %s: %w", path, err))
+	}
+	if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+		errs = append(errs, fmt.Errorf("remove netns %s: %w", path, err))
+	}
+	return errors.Join(errs...)
+}
+
+// notFound classes a missing-file error as NotFound.
+func notFound(err error) error {
+	if errors.Is(err, os.ErrNotExist) {
+		return fmt.Errorf("%w: %w", errdefs.ErrNotFound, err)
+	}
+	return err
+}

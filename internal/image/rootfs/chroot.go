@@ -17,7 +17,8 @@ import (
 )
 
 // chrootScript runs in a private mount namespace (unshare --mount), so its
-// mounts vanish with it. It gives the tree a minimal /dev on a tmpfs and
+// mounts vanish with it. It gives the tree a minimal /dev on a tmpfs (with
+// its own devpts instance and a /dev/shm) and
 // runs apt-get in a chroot that is also a new PID, IPC and UTS namespace
 // with its own /proc: PID 1 there is the chrooted shell, so /proc/1/root
 // leads nowhere outside the tree. $1 is the tree, the rest are packages.
@@ -32,6 +33,10 @@ mknod -m 0666 "$root/dev/random" c 1 8
 mknod -m 0666 "$root/dev/urandom" c 1 9
 mknod -m 0666 "$root/dev/tty" c 5 0
 ln -s /proc/self/fd "$root/dev/fd"
+mkdir -m 0755 "$root/dev/pts" "$root/dev/shm"
+mount -t devpts -o newinstance,ptmxmode=0666,mode=0620 forkd-pts "$root/dev/pts"
+ln -s pts/ptmx "$root/dev/ptmx"
+mount -t tmpfs -o nosuid,nodev,mode=1777,size=64m forkd-shm "$root/dev/shm"
 ln -s /proc/self/fd/0 "$root/dev/stdin"
 ln -s /proc/self/fd/1 "$root/dev/stdout"
 ln -s /proc/self/fd/2 "$root/dev/stderr"

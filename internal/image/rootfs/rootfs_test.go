@@ -53,7 +53,7 @@ func TestTreeConfined(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	must(tr.Symlink(outside, "out"))                    // absolute, to the host's outside
+	must(tr.Symlink(outside, "out"))      // absolute, to the host's outside
 	must(tr.Symlink("../../../..", "up")) // climbing past the root
 	must(tr.Symlink(filepath.Join(outside, "precious"), "precious-link"))
 	must(tr.MkdirAll("usr/lib", 0o755))

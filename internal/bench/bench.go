@@ -1,0 +1,327 @@
+// Package bench measures forkd against its baselines in one run, on one
+// image: cold boots, forks, per-child memory and idle CPU, exec round trips,
+// and host process start-up for scale.
+package bench
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"sync"
+	"time"
+
+	"github.com/forkd/forkd/internal/agent"
+	"github.com/forkd/forkd/internal/image"
+	"github.com/forkd/forkd/internal/sandbox"
+	"github.com/forkd/forkd/internal/vmm"
+)
+
+// Options configure a run.
+type Options struct {
+	N         int
+	Image     string
+	MemoryMiB int
+	ColdRuns  int           // single cold boots to time (median)
+	ExecRuns  int           // exec round trips to time
+	IdleFor   time.Duration // how long idle CPU is sampled
+	// CLI, if set, is a forkd binary whose `exec` is also timed end to end.
+	CLI      string
+	DataDir  string
+	Progress io.Writer
+}
+
+// Result is the JSON `forkd bench --json` prints. Keys only get added.
+type Result struct {
+	Machine Machine `json:"machine"`
+	N       int     `json:"n"`
+	Image   string  `json:"image"`
+
+	SnapshotMS float64 `json:"snapshot_ms"`
+
+	ColdBootMS      float64 `json:"cold_boot_ms"`
+	ColdBoot        Summary `json:"cold_boot"`
+	ColdBootNWallMS float64 `json:"cold_boot_n_wall_ms"`
+
+	ForkNWallMS    float64 `json:"fork_n_wall_ms"`
+	ForkReadyP50MS float64 `json:"fork_ready_p50_ms"`
+	ForkReadyP90MS float64 `json:"fork_ready_p90_ms"`
+	ForkReady      Summary `json:"fork_ready"`
+
+	ChildPrivateMiB      float64 `json:"child_private_mib"`
+	ChildGuestPrivateMiB float64 `json:"child_guest_private_mib"`
+	ChildPrivate         Summary `json:"child_private_mib_dist"`
+	ChildGuestPrivate    Summary `json:"child_guest_private_mib_dist"`
+
+	IdleCPUPctPerChild float64 `json:"idle_cpu_pct_per_child"`
+
+	ExecRoundtripP50MS float64 `json:"exec_roundtrip_p50_ms"`
+	ExecRoundtrip      Summary `json:"exec_roundtrip"`
+	CLIExecP50MS       float64 `json:"cli_exec_p50_ms,omitempty"`
+
+	ProcessForkP50MS   float64 `json:"baseline_process_fork_p50_ms"`
+	PythonStartP50MS   float64 `json:"baseline_python_c_p50_ms,omitempty"`
+	RatioColdNOverFork float64 `json:"ratio_cold_n_over_fork_n"`
+	RatioColdOverReady float64 `json:"ratio_cold_over_fork_ready_p50"`
+}
+
+// Run performs the benchmark with e. It creates a temporary snapshot and
+// removes it, and kills every VM it started, also on failure.
+func Run(ctx context.Context, e *sandbox.Engine, o Options) (*Result, error) {
+	if o.N <= 0 {
+		o.N = 10
+	}
+	if o.Image == "" {
+		o.Image = "minimal"
+	}
+	if o.MemoryMiB == 0 {
+		o.MemoryMiB = 256
+	}
+	if o.ColdRuns <= 0 {
+		o.ColdRuns = 3
+	}
+	if o.ExecRuns <= 0 {
+		o.ExecRuns = 30
+	}
+	if o.IdleFor <= 0 {
+		o.IdleFor = 5 * time.Second
+	}
+	if o.Progress == nil {
+		o.Progress = io.Discard
+	}
+	say := func(format string, args ...any) { fmt.Fprintf(o.Progress, "bench: "+format+"\n", args...) }
+	be := e.Backend()
+	r := &Result{Machine: describeHost(), N: o.N, Image: o.Image}
+	r.Machine.Backend = be.Name()
+	r.Machine.Version, _ = be.Version(ctx)
+	r.Machine.Accelerator = be.Capabilities().Accelerator
+
+	img, err := e.Images().Build(ctx, o.Image)
+	if err != nil {
+		return nil, err
+	}
+
+	say("baselines: process fork+exec, python3 -c")
+	r.ProcessForkP50MS = Summarize(timeCommand(ctx, 30, "true")).P50
+	if _, err := exec.LookPath("python3"); err == nil {
+		r.PythonStartP50MS = Summarize(timeCommand(ctx, 10, "python3", "-c", "pass")).P50
+	}
+
+	say("cold boot ×%d, one at a time", o.ColdRuns)
+	var cold []float64
+	for i := 0; i < o.ColdRuns; i++ {
+		walls, err := coldBoot(ctx, e, img, o, 1)
+		if err != nil {
+			return nil, fmt.Errorf("cold boot: %w", err)
+		}
+		cold = append(cold, walls[0])
+	}
+	r.ColdBoot = Summarize(cold)
+	r.ColdBootMS = r.ColdBoot.P50
+
+	say("cold boot of %d at once", o.N)
+	start := time.Now()
+	if _, err := coldBoot(ctx, e, img, o, o.N); err != nil {
+		return nil, fmt.Errorf("cold boot ×%d: %w", o.N, err)
+	}
+	r.ColdBootNWallMS = msSince(start)
+
+	tag := fmt.Sprintf("bench-%d", os.Getpid())
+	say("snapshot %s", tag)
+	start = time.Now()
+	snap, err := e.CreateSnapshot(ctx, sandbox.SnapshotSpec{Tag: tag, Built: img, MemoryMiB: o.MemoryMiB})
+	if err != nil {
+		return nil, err
+	}
+	r.SnapshotMS = msSince(start)
+	defer e.RemoveSnapshot(tag)
+
+	say("fork %d", o.N)
+	fr, err := e.Fork(ctx, sandbox.ForkSpec{Tag: tag, N: o.N, Metadata: map[string]string{"origin": "bench"}})
+	if err != nil {
+		return nil, err
+	}
+	defer func() {
+		kctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Minute)
+		defer cancel()
+		e.KillAll(kctx, tag)
+	}()
+	r.ForkNWallMS = fr.WallMS
+	var ready []float64
+	for _, c := range fr.Children {
+		ready = append(ready, c.ReadyMS)
+	}
+	r.ForkReady = Summarize(ready)
+	r.ForkReadyP50MS, r.ForkReadyP90MS = r.ForkReady.P50, r.ForkReady.P90
+
+	say("exec round trips")
+	first := fr.Children[0].ID
+	rt, err := execRoundTrips(ctx, e, first, o.ExecRuns)
+	if err != nil {
+		return nil, err
+	}
+	r.ExecRoundtrip = Summarize(rt)
+	r.ExecRoundtripP50MS = r.ExecRoundtrip.P50
+	if o.CLI != "" {
+		env := append(os.Environ(), "FORKD_DATA="+o.DataDir)
+		r.CLIExecP50MS = Summarize(timeCommandEnv(ctx, 10, env, o.CLI, "exec", first, "--", "true")).P50
+	}
+
+	say("idle CPU over %s", o.IdleFor)
+	time.Sleep(time.Second) // let the exec traffic settle
+	pids := make([]int, 0, len(fr.Children))
+	for _, c := range fr.Children {
+		pids = append(pids, c.Sandbox.Handle.Process.PID)
+	}
+	r.IdleCPUPctPerChild, err = idleCPU(ctx, pids, o.IdleFor)
+	if err != nil {
+		return nil, err
+	}
+
+	var priv, guest []float64
+	for _, pid := range pids {
+		t, g, err := smapsPrivate(pid, snap.MemoryPath())
+		if err != nil {
+			return nil, err
+		}
+		priv = append(priv, float64(t)/1024)
+		guest = append(guest, float64(g)/1024)
+	}
+	r.ChildPrivate, r.ChildGuestPrivate = Summarize(priv), Summarize(guest)
+	r.ChildPrivateMiB, r.ChildGuestPrivateMiB = r.ChildPrivate.P50, r.ChildGuestPrivate.P50
+
+	if r.ForkNWallMS > 0 {
+		r.RatioColdNOverFork = r.ColdBootNWallMS / r.ForkNWallMS
+	}
+	if r.ForkReadyP50MS > 0 {
+		r.RatioColdOverReady = r.ColdBootMS / r.ForkReadyP50MS
+	}
+	return r, nil
+}
+
+// coldBoot boots n VMs from img at once (bounded like forks are), each with
+// anonymous RAM, and returns each one's time until its agent answered.
+func coldBoot(ctx context.Context, e *sandbox.Engine, img *image.Image, o Options, n int) ([]float64, error) {
+	be := e.Backend()
+	walls := make([]float64, n)
+	errs := make([]error, n)
+	sem := make(chan struct{}, e.Config().MaxParallel)
+	var wg sync.WaitGroup
+	for i := 0; i < n; i++ {
+		wg.Add(1)
+		go func(i int) {
+			defer wg.Done()
+			sem <- struct{}{}
+			defer func() { <-sem }()
+			start := time.Now()
+			spec := vmm.BootSpec{
+				Name:      fmt.Sprintf("cold%d-%d", os.Getpid(), i),
+				RunDir:    filepath.Join(o.DataDir, "run", fmt.Sprintf("cold%d-%d", os.Getpid(), i)),
+				Resources: vmm.Resources{MemoryMiB: o.MemoryMiB, VCPUs: 1},
+				Kernel:    img.Kernel, Initrd: img.Initrd, Cmdline: img.Cmdline,
+			}
+			if img.Rootfs != "" {
+				spec.Disks = []vmm.Disk{{Path: img.Rootfs, ReadOnly: true}}
+			}
+			m, err := be.Boot(ctx, spec)
+			if err != nil {
+				errs[i] = err
+				return
+			}
+			defer func() {
+				sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+				defer cancel()
+				m.Stop(sctx)
+			}()
+			bctx, cancel := context.WithTimeout(ctx, 5*time.Minute)
+			defer cancel()
+			c, err := sandbox.DialAgent(bctx, m)
+			if err != nil {
+				errs[i] = err
+				return
+			}
+			walls[i] = msSince(start)
+			c.Close()
+		}(i)
+	}
+	wg.Wait()
+	for _, err := range errs {
+		if err != nil {
+			return nil, err
+		}
+	}
+	return walls, nil
+}
+
+// execRoundTrips times `true` run through one agent session.
+func execRoundTrips(ctx context.Context, e *sandbox.Engine, id string, n int) ([]float64, error) {
+	c, release, err := e.Agent(ctx, id)
+	if err != nil {
+		return nil, err
+	}
+	defer release()
+	var out []float64
+	for i := 0; i < n; i++ {
+		start := time.Now()
+		res, err := c.Exec(ctx, agent.ExecRequest{Args: []string{"true"}})
+		if err != nil {
+			return nil, err
+		}
+		if res.ExitCode != 0 {
+			return nil, fmt.Errorf("true exited %d", res.ExitCode)
+		}
+		out = append(out, msSince(start))
+	}
+	return out, nil
+}
+
+// idleCPU samples the CPU time of pids over d and returns the mean per
+// process, in percent of one core.
+func idleCPU(ctx context.Context, pids []int, d time.Duration) (float64, error) {
+	before := make([]int64, len(pids))
+	for i, pid := range pids {
+		t, err := cpuTicks(pid)
+		if err != nil {
+			return 0, err
+		}
+		before[i] = t
+	}
+	start := time.Now()
+	select {
+	case <-ctx.Done():
+		return 0, ctx.Err()
+	case <-time.After(d):
+	}
+	elapsed := time.Since(start).Seconds()
+	var total int64
+	for i, pid := range pids {
+		t, err := cpuTicks(pid)
+		if err != nil {
+			return 0, err
+		}
+		total += t - before[i]
+	}
+	return float64(total) / clockTicks / elapsed / float64(len(pids)) * 100, nil
+}
+
+func timeCommand(ctx context.Context, n int, name string, args ...string) []float64 {
+	return timeCommandEnv(ctx, n, nil, name, args...)
+}
+
+func timeCommandEnv(ctx context.Context, n int, env []string, name string, args ...string) []float64 {
+	var out []float64
+	for i := 0; i < n; i++ {
+		cmd := exec.CommandContext(ctx, name, args...)
+		cmd.Env = env
+		start := time.Now()
+		if err := cmd.Run(); err != nil {
+			continue
+		}
+		out = append(out, msSince(start))
+	}
+	return out
+}
+
+func msSince(t time.Time) float64 { return float64(time.Since(t).Microseconds()) / 1000 }

@@ -1,0 +1,87 @@
+package cli
+
+import (
+	"fmt"
+	"os"
+	"text/tabwriter"
+	"time"
+
+	"github.com/spf13/cobra"
+
+	"github.com/forkd/forkd/internal/bench"
+)
+
+func newBenchCmd(g *globals) *cobra.Command {
+	var o bench.Options
+	var asJSON bool
+	cmd := &cobra.Command{
+		Use:   "bench [-n N] [--json]",
+		Short: "Measure cold boot vs fork, per-child memory and CPU, exec round trips",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			e, err := g.engine()
+			if err != nil {
+				return err
+			}
+			defer e.Close()
+			o.DataDir = e.Config().DataDir
+			o.Progress = g.stderr
+			if exe, err := os.Executable(); err == nil {
+				o.CLI = exe
+			}
+			r, err := bench.Run(cmd.Context(), e, o)
+			if err != nil {
+				return err
+			}
+			if asJSON {
+				return writeJSON(g.stdout, r)
+			}
+			printBench(g, r)
+			return nil
+		},
+	}
+	f := cmd.Flags()
+	f.IntVarP(&o.N, "n", "n", 10, "children (and cold boots) at once")
+	f.StringVar(&o.Image, "image", "minimal", "image to measure")
+	f.IntVar(&o.MemoryMiB, "mem-size-mib", 256, "guest RAM in MiB")
+	f.IntVar(&o.ColdRuns, "cold-runs", 3, "single cold boots to time")
+	f.IntVar(&o.ExecRuns, "exec-runs", 30, "exec round trips to time")
+	f.DurationVar(&o.IdleFor, "idle", 5*time.Second, "how long idle CPU is sampled")
+	f.BoolVar(&asJSON, "json", false, "print one JSON object")
+	return cmd
+}
+
+func printBench(g *globals, r *bench.Result) {
+	m := r.Machine
+	fmt.Fprintf(g.stdout, "machine: %s, %d cores, %d MiB, %s, kernel %s\n", m.CPUModel, m.Cores, m.MemoryMiB, m.OS, m.Kernel)
+	fmt.Fprintf(g.stdout, "backend: %s %s (%s); image %s; n = %d\n\n", m.Backend, m.Version, m.Accelerator, r.Image, r.N)
+	tw := tabwriter.NewWriter(g.stdout, 0, 4, 2, ' ', tabwriter.AlignRight)
+	row := func(name string, vals ...string) {
+		fmt.Fprint(tw, name)
+		for _, v := range vals {
+			fmt.Fprint(tw, "\t", v)
+		}
+		fmt.Fprintln(tw, "\t")
+	}
+	ms := func(v float64) string { return fmt.Sprintf("%.1f ms", v) }
+	row("measure", "p50", "p90", "")
+	row("cold boot, 1 VM", ms(r.ColdBoot.P50), ms(r.ColdBoot.P90), fmt.Sprintf("%d runs", r.ColdBoot.N))
+	row(fmt.Sprintf("cold boot, %d VMs (wall)", r.N), ms(r.ColdBootNWallMS), "", "")
+	row("snapshot (boot+save)", ms(r.SnapshotMS), "", "")
+	row(fmt.Sprintf("fork, %d children (wall)", r.N), ms(r.ForkNWallMS), "", "")
+	row("fork, per-child ready", ms(r.ForkReady.P50), ms(r.ForkReady.P90), "")
+	row("private memory per child", fmt.Sprintf("%.1f MiB", r.ChildPrivate.P50), fmt.Sprintf("%.1f MiB", r.ChildPrivate.P90), "")
+	row("  of which guest pages", fmt.Sprintf("%.2f MiB", r.ChildGuestPrivate.P50), fmt.Sprintf("%.2f MiB", r.ChildGuestPrivate.P90), "")
+	row("idle CPU per child", fmt.Sprintf("%.2f %%", r.IdleCPUPctPerChild), "", "of one core")
+	row("exec round trip (session)", ms(r.ExecRoundtrip.P50), ms(r.ExecRoundtrip.P90), "")
+	if r.CLIExecP50MS > 0 {
+		row("exec round trip (forkd exec)", ms(r.CLIExecP50MS), "", "")
+	}
+	row("baseline: fork+exec true", ms(r.ProcessForkP50MS), "", "")
+	if r.PythonStartP50MS > 0 {
+		row("baseline: python3 -c pass", ms(r.PythonStartP50MS), "", "")
+	}
+	tw.Flush()
+	fmt.Fprintf(g.stdout, "\ncold boot of %d / fork of %d: %.1f×   cold boot / per-child ready: %.1f×\n",
+		r.N, r.N, r.RatioColdNOverFork, r.RatioColdOverReady)
+}

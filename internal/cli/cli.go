@@ -1,0 +1,177 @@
+// Package cli is the forkd command line: one file per command, each a thin
+// shell over the sandbox engine (or, when a controller runs, its client).
+// stdout carries only what was asked for; progress goes to stderr.
+package cli
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"syscall"
+
+	"github.com/spf13/cobra"
+
+	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/sandbox"
+	"github.com/forkd/forkd/internal/vmm/qemu"
+)
+
+// Version is forkd's version, set at build time.
+var Version = "0.1.0-dev"
+
+// globals are the flags every command shares.
+type globals struct {
+	dataDir  string
+	accel    string
+	qemuBin  string
+	machine  string
+	logLevel string
+	stdout   io.Writer
+	stderr   io.Writer
+	stdin    io.Reader
+}
+
+// exitError carries a process exit code up to Main without printing.
+type exitError struct{ code int }
+
+func (e *exitError) Error() string { return fmt.Sprintf("exit status %d", e.code) }
+
+// Main runs the CLI with args and returns the process exit code.
+func Main(args []string) int {
+	g := &globals{stdout: os.Stdout, stderr: os.Stderr, stdin: os.Stdin}
+	root := newRoot(g)
+	root.SetArgs(args)
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	err := root.ExecuteContext(ctx)
+	if err == nil {
+		return 0
+	}
+	var ee *exitError
+	if errors.As(err, &ee) {
+		return ee.code
+	}
+	fmt.Fprintf(g.stderr, "forkd: %v\n", err)
+	if errdefs.IsInvalidArgument(err) {
+		return 2
+	}
+	return 1
+}
+
+func newRoot(g *globals) *cobra.Command {
+	root := &cobra.Command{
+		Use:           "forkd",
+		Short:         "Hundreds of microVM sandboxes forked from warm snapshots",
+		SilenceUsage:  true,
+		SilenceErrors: true,
+		Version:       Version,
+	}
+	root.SetOut(g.stdout)
+	root.SetErr(g.stderr)
+	pf := root.PersistentFlags()
+	pf.StringVar(&g.dataDir, "data-dir", "", "data directory (default $FORKD_DATA, /var/lib/forkd as root, ~/.local/share/forkd otherwise)")
+	pf.StringVar(&g.accel, "accel", "", "accelerator: auto, kvm or tcg (default $FORKD_ACCEL or auto)")
+	pf.StringVar(&g.qemuBin, "qemu", "", "qemu-system-x86_64 binary (default $FORKD_QEMU or from PATH)")
+	pf.StringVar(&g.machine, "machine", "", "QEMU machine type: microvm or q35 (default $FORKD_MACHINE or microvm)")
+	pf.StringVar(&g.logLevel, "log-level", "warn", "log level on stderr: debug, info, warn, error")
+	root.AddCommand(
+		newSnapshotCmd(g),
+		newForkCmd(g),
+		newLsCmd(g),
+		newKillCmd(g),
+		newExecCmd(g),
+		newImagesCmd(g),
+		newRmiCmd(g),
+		newBenchCmd(g),
+		newQuickstartCmd(g),
+	)
+	return root
+}
+
+func envOr(v, env, def string) string {
+	if v != "" {
+		return v
+	}
+	if e := os.Getenv(env); e != "" {
+		return e
+	}
+	return def
+}
+
+// resolveDataDir picks the data dir from the flag, $FORKD_DATA or the
+// default for this user.
+func (g *globals) resolveDataDir() (string, error) {
+	if d := envOr(g.dataDir, "FORKD_DATA", ""); d != "" {
+		return filepath.Abs(d)
+	}
+	if os.Geteuid() == 0 {
+		return "/var/lib/forkd", nil
+	}
+	home, err := os.UserHomeDir()
+	if err != nil {
+		return "", fmt.Errorf("no data dir: set --data-dir or FORKD_DATA")
+	}
+	return filepath.Join(home, ".local", "share", "forkd"), nil
+}
+
+func (g *globals) logger() *slog.Logger {
+	var lvl slog.Level
+	if err := lvl.UnmarshalText([]byte(g.logLevel)); err != nil {
+		lvl = slog.LevelWarn
+	}
+	return slog.New(slog.NewTextHandler(g.stderr, &slog.HandlerOptions{Level: lvl}))
+}
+
+// engine opens the sandbox engine for a CLI command.
+func (g *globals) engine() (*sandbox.Engine, error) {
+	dir, err := g.resolveDataDir()
+	if err != nil {
+		return nil, err
+	}
+	be, err := qemu.New(qemu.Options{
+		Binary:  envOr(g.qemuBin, "FORKD_QEMU", ""),
+		Accel:   envOr(g.accel, "FORKD_ACCEL", "auto"),
+		Machine: envOr(g.machine, "FORKD_MACHINE", ""),
+	})
+	if err != nil {
+		return nil, err
+	}
+	return sandbox.New(sandbox.Config{
+		DataDir:   dir,
+		Backend:   be,
+		AgentPath: agentPath(),
+		Progress:  g.stderr,
+		Logger:    g.logger(),
+	})
+}
+
+// agentPath finds the forkd-agent binary: $FORKD_AGENT, next to this
+// executable, or the system library dirs.
+func agentPath() string {
+	if p := os.Getenv("FORKD_AGENT"); p != "" {
+		return p
+	}
+	cands := []string{}
+	if exe, err := os.Executable(); err == nil {
+		cands = append(cands, filepath.Join(filepath.Dir(exe), "forkd-agent"))
+	}
+	cands = append(cands, "/usr/local/lib/forkd/forkd-agent", "/usr/lib/forkd/forkd-agent")
+	for _, c := range cands {
+		if st, err := os.Stat(c); err == nil && st.Mode().IsRegular() {
+			return c
+		}
+	}
+	return cands[0]
+}
+
+func writeJSON(w io.Writer, v any) error {
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	return enc.Encode(v)
+}

@@ -1,0 +1,74 @@
+package cli
+
+import (
+	"time"
+
+	"github.com/spf13/cobra"
+
+	"github.com/forkd/forkd/internal/agent"
+	"github.com/forkd/forkd/internal/errdefs"
+)
+
+func newExecCmd(g *globals) *cobra.Command {
+	var timeout time.Duration
+	var env []string
+	var cwd, user string
+	var stdin bool
+	cmd := &cobra.Command{
+		Use:   "exec ID -- CMD [ARGS...]",
+		Short: "Run a command in a sandbox; its output and exit code become ours",
+		Args:  cobra.MinimumNArgs(2),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if cmd.ArgsLenAtDash() != 1 {
+				return errdefs.InvalidArgument("usage: forkd exec ID -- CMD [ARGS...]")
+			}
+			envMap, err := parseKV(env, "--env")
+			if err != nil {
+				return err
+			}
+			e, err := g.engine()
+			if err != nil {
+				return err
+			}
+			defer e.Close()
+			c, release, err := e.Agent(cmd.Context(), args[0])
+			if err != nil {
+				return err
+			}
+			defer release()
+			req := agent.ExecRequest{
+				Args: args[1:], Env: envMap, Dir: cwd, User: user,
+				Stdout: g.stdout, Stderr: g.stderr, Timeout: timeout,
+			}
+			if stdin {
+				req.Stdin = g.stdin
+			}
+			res, err := c.Exec(cmd.Context(), req)
+			if err != nil {
+				return err
+			}
+			return exitFor(res.ExitCode, res.Signal, res.TimedOut)
+		},
+	}
+	f := cmd.Flags()
+	f.DurationVar(&timeout, "timeout", 0, "kill the command after this long (e.g. 30s; 0 = no limit)")
+	f.StringArrayVar(&env, "env", nil, "KEY=VALUE for the command (repeatable)")
+	f.StringVar(&cwd, "cwd", "", "working directory in the guest")
+	f.StringVar(&user, "user", "", "user to run as in the guest")
+	f.BoolVarP(&stdin, "interactive", "i", false, "pass our stdin to the command")
+	return cmd
+}
+
+// exitFor maps a guest process's end to our exit: its code, 128+signal as
+// shells do, 124 on timeout as timeout(1) does.
+func exitFor(code int, sig string, timedOut bool) error {
+	switch {
+	case timedOut:
+		return &exitError{code: 124}
+	case sig != "":
+		return &exitError{code: 128 + signalNumber(sig)}
+	case code != 0:
+		return &exitError{code: code}
+	}
+	return nil
+}

@@ -1,0 +1,93 @@
+package cli
+
+import (
+	"fmt"
+	"text/tabwriter"
+	"time"
+
+	"github.com/spf13/cobra"
+
+	"github.com/forkd/forkd/internal/snapshot"
+)
+
+// snapshotView is the stable JSON shape of a snapshot.
+type snapshotView struct {
+	Tag         string    `json:"tag"`
+	Status      string    `json:"status"`
+	Image       string    `json:"image"`
+	Backend     string    `json:"backend"`
+	Accelerator string    `json:"accelerator"`
+	MemoryMiB   int       `json:"memory_mib"`
+	VCPUs       int       `json:"vcpus"`
+	SizeBytes   int64     `json:"size_bytes"`
+	Refcount    int       `json:"refcount"`
+	Created     time.Time `json:"created"`
+	Parent      string    `json:"parent,omitempty"`
+}
+
+func viewSnapshot(s *snapshot.Snapshot, refs int) snapshotView {
+	return snapshotView{
+		Tag: s.Tag, Status: string(s.Status), Image: s.Image, Backend: s.Backend,
+		Accelerator: s.Accelerator, MemoryMiB: s.MemoryMiB, VCPUs: s.VCPUs,
+		SizeBytes: s.SizeBytes(), Refcount: refs, Created: s.Created, Parent: s.Parent,
+	}
+}
+
+func newImagesCmd(g *globals) *cobra.Command {
+	var asJSON bool
+	cmd := &cobra.Command{
+		Use:   "images",
+		Short: "List snapshots",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			e, err := g.engine()
+			if err != nil {
+				return err
+			}
+			defer e.Close()
+			snaps, err := e.Snapshots().List()
+			if err != nil {
+				return err
+			}
+			views := make([]snapshotView, 0, len(snaps))
+			for _, s := range snaps {
+				users, _ := e.Users(s.Tag)
+				views = append(views, viewSnapshot(s, len(users)))
+			}
+			if asJSON {
+				return writeJSON(g.stdout, map[string]any{"snapshots": views})
+			}
+			tw := tabwriter.NewWriter(g.stdout, 0, 4, 2, ' ', 0)
+			fmt.Fprintln(tw, "TAG\tSTATUS\tIMAGE\tMEMORY\tSIZE\tCHILDREN\tCREATED")
+			for _, v := range views {
+				fmt.Fprintf(tw, "%s\t%s\t%s\t%d MiB\t%.1f MiB\t%d\t%s\n", v.Tag, v.Status, v.Image, v.MemoryMiB,
+					float64(v.SizeBytes)/(1<<20), v.Refcount, v.Created.Local().Format(time.DateTime))
+			}
+			return tw.Flush()
+		},
+	}
+	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON")
+	return cmd
+}
+
+func newRmiCmd(g *globals) *cobra.Command {
+	return &cobra.Command{
+		Use:   "rmi TAG...",
+		Short: "Remove snapshots (refused while children use them)",
+		Args:  cobra.MinimumNArgs(1),
+		RunE: func(cmd *cobra.Command, tags []string) error {
+			e, err := g.engine()
+			if err != nil {
+				return err
+			}
+			defer e.Close()
+			for _, tag := range tags {
+				if err := e.RemoveSnapshot(tag); err != nil {
+					return err
+				}
+				fmt.Fprintln(g.stdout, tag)
+			}
+			return nil
+		},
+	}
+}

@@ -1,0 +1,84 @@
+package sandbox
+
+import (
+	"context"
+	"time"
+
+	"github.com/forkd/forkd/internal/agent"
+	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/state"
+)
+
+// Agent returns a client for sandbox id's guest agent. In daemon mode the
+// client is shared and stays open; otherwise the caller gets its own
+// session and must call release when done.
+func (e *Engine) Agent(ctx context.Context, id string) (c *agent.Client, release func(), err error) {
+	if err := ValidateID(id); err != nil {
+		return nil, nil, err
+	}
+	if e.cfg.Daemon {
+		e.mu.Lock()
+		c := e.conns[id]
+		e.mu.Unlock()
+		if c != nil && alive(c) {
+			return c, func() {}, nil
+		}
+	}
+	sb, err := e.Get(ctx, id)
+	if err != nil {
+		return nil, nil, err
+	}
+	if sb.Status != state.StatusRunning {
+		return nil, nil, errdefs.FailedPrecondition("sandbox %s is %s", id, sb.Status)
+	}
+	m, err := e.cfg.Backend.Attach(ctx, sb.Handle)
+	if err != nil {
+		return nil, nil, err
+	}
+	dctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	c, err = DialAgent(dctx, m)
+	if err != nil {
+		return nil, nil, err
+	}
+	if e.cfg.Daemon {
+		e.keepClient(id, c)
+		return c, func() {}, nil
+	}
+	return c, func() { c.Close() }, nil
+}
+
+// keepClient caches a client in daemon mode and closes it otherwise.
+func (e *Engine) keepClient(id string, c *agent.Client) {
+	if !e.cfg.Daemon {
+		c.Close()
+		return
+	}
+	e.mu.Lock()
+	old := e.conns[id]
+	e.conns[id] = c
+	e.mu.Unlock()
+	if old != nil && old != c {
+		old.Close()
+	}
+}
+
+func (e *Engine) dropClient(id string) {
+	e.mu.Lock()
+	c := e.conns[id]
+	delete(e.conns, id)
+	e.mu.Unlock()
+	if c != nil {
+		c.Close()
+	}
+}
+
+// alive reports whether a client's session is still open.
+func alive(c *agent.Client) bool {
+	select {
+	case <-c.Done():
+		return false
+	default:
+		return true
+	}
+}

@@ -1,0 +1,291 @@
+package sandbox
+
+import (
+	"context"
+	"crypto/rand"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"runtime"
+	"time"
+
+	"github.com/forkd/forkd/internal/agent"
+	"github.com/forkd/forkd/internal/agent/proto"
+	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/image"
+	"github.com/forkd/forkd/internal/snapshot"
+	"github.com/forkd/forkd/internal/vmm"
+)
+
+// SnapshotSpec describes a snapshot to build from an image.
+type SnapshotSpec struct {
+	Tag       string
+	Image     string // built-in image name; ignored when Built is set
+	Built     *image.Image
+	MemoryMiB int
+	VCPUs     int
+	// Warmup commands run in the parent (sh -c) before it is saved.
+	Warmup []string
+	// BootTimeout bounds the parent's boot until its agent answers.
+	BootTimeout time.Duration
+}
+
+// Limits on snapshot shapes.
+const (
+	MinMemoryMiB = 64
+	MaxMemoryMiB = 64 << 10
+	MaxVCPUs     = 64
+)
+
+func (s *SnapshotSpec) validate() error {
+	if err := snapshot.ValidateTag(s.Tag); err != nil {
+		return err
+	}
+	if s.MemoryMiB == 0 {
+		s.MemoryMiB = 256
+	}
+	if s.VCPUs == 0 {
+		s.VCPUs = 1
+	}
+	if s.MemoryMiB < MinMemoryMiB || s.MemoryMiB > MaxMemoryMiB {
+		return errdefs.InvalidArgument("memory %d MiB: want %d to %d", s.MemoryMiB, MinMemoryMiB, MaxMemoryMiB)
+	}
+	if s.VCPUs < 1 || s.VCPUs > MaxVCPUs {
+		return errdefs.InvalidArgument("vcpus %d: want 1 to %d", s.VCPUs, MaxVCPUs)
+	}
+	if s.Built == nil {
+		if err := image.ValidateName(s.Image); err != nil {
+			return err
+		}
+	}
+	for _, w := range s.Warmup {
+		if w == "" {
+			return errdefs.InvalidArgument("empty warmup command")
+		}
+	}
+	if s.BootTimeout == 0 {
+		s.BootTimeout = 3 * time.Minute
+	}
+	return nil
+}
+
+// CreateSnapshot boots a parent VM from an image, warms it, and saves it as
+// a snapshot named spec.Tag. On any failure nothing is left behind.
+func (e *Engine) CreateSnapshot(ctx context.Context, spec SnapshotSpec) (*snapshot.Snapshot, error) {
+	if err := spec.validate(); err != nil {
+		return nil, err
+	}
+	if _, err := e.snaps.Get(spec.Tag); err == nil {
+		return nil, errdefs.AlreadyExists("snapshot %q already exists (forkd rmi %s to replace it)", spec.Tag, spec.Tag)
+	}
+	img := spec.Built
+	if img == nil {
+		var err error
+		if img, err = e.images.Build(ctx, spec.Image); err != nil {
+			return nil, err
+		}
+	}
+	w, err := e.snaps.Create(spec.Tag)
+	if err != nil {
+		return nil, err
+	}
+	defer w.Abort() // no-op after Commit
+	id := "build-" + newID()[3:]
+	bootSpec := vmm.BootSpec{
+		Name:       id,
+		RunDir:     filepath.Join(e.runDir, id),
+		Resources:  vmm.Resources{MemoryMiB: spec.MemoryMiB, VCPUs: spec.VCPUs},
+		Kernel:     img.Kernel,
+		Initrd:     img.Initrd,
+		Cmdline:    img.Cmdline,
+		MemoryFile: w.MemoryPath(),
+		ConsoleLog: filepath.Join(w.Dir(), "console.log"),
+	}
+	if img.Rootfs != "" {
+		bootSpec.Disks = []vmm.Disk{{Path: img.Rootfs, ReadOnly: true}}
+	}
+	e.progress("booting parent VM (%s, %d MiB, %d vCPU, %s)", img.Name, spec.MemoryMiB, spec.VCPUs, e.cfg.Backend.Capabilities().Accelerator)
+	start := time.Now()
+	m, err := e.cfg.Backend.Boot(ctx, bootSpec)
+	if err != nil {
+		return nil, fmt.Errorf("boot parent: %w", err)
+	}
+	stopParent := func() {
+		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+		defer cancel()
+		m.Stop(sctx)
+	}
+	if err := e.warm(ctx, m, spec, bootSpec.ConsoleLog); err != nil {
+		stopParent()
+		return nil, err
+	}
+	e.progress("parent ready in %.1fs; saving snapshot", time.Since(start).Seconds())
+	if err := m.Pause(ctx); err != nil {
+		stopParent()
+		return nil, fmt.Errorf("pause parent: %w", err)
+	}
+	if err := m.SaveState(ctx, vmm.SaveSpec{StateFile: w.StatePath()}); err != nil {
+		stopParent()
+		return nil, fmt.Errorf("save parent: %w", err)
+	}
+	// The parent must never run again: it writes through its shared
+	// mapping, and children see those writes on pages they did not copy.
+	handle := m.Handle()
+	stopParent()
+	if err := os.Chmod(w.MemoryPath(), 0o600); err != nil {
+		return nil, err
+	}
+	ver, err := e.cfg.Backend.Version(ctx)
+	if err != nil {
+		return nil, err
+	}
+	hash, err := contentHash(w.StatePath(), w.MemoryPath())
+	if err != nil {
+		return nil, err
+	}
+	md := snapshot.Metadata{
+		Backend:        e.cfg.Backend.Name(),
+		BackendVersion: ver,
+		Accelerator:    e.cfg.Backend.Capabilities().Accelerator,
+		Machine:        handle.Config,
+		Image:          img.Name,
+		Kernel:         snapshot.FileRef{Path: img.Kernel, SHA256: img.KernelSHA256},
+		Initrd:         snapshot.FileRef{Path: img.Initrd, SHA256: img.InitrdSHA256},
+		MemoryMiB:      spec.MemoryMiB,
+		VCPUs:          spec.VCPUs,
+		Python:         img.Python,
+		Preload:        img.Preload,
+		Warmup:         spec.Warmup,
+		ContentHash:    hash,
+	}
+	if img.Rootfs != "" {
+		md.Rootfs = snapshot.FileRef{Path: img.Rootfs, SHA256: img.RootfsSHA256}
+	}
+	snap, err := w.Commit(md)
+	if err != nil {
+		return nil, err
+	}
+	e.log.Info("snapshot created", "snapshot", spec.Tag, "image", img.Name, "seconds", time.Since(start).Seconds())
+	return snap, nil
+}
+
+// warm waits for the parent's agent, sets its identity and runs the warmup
+// commands.
+func (e *Engine) warm(ctx context.Context, m vmm.Machine, spec SnapshotSpec, consoleLog string) error {
+	bctx, cancel := context.WithTimeout(ctx, spec.BootTimeout)
+	defer cancel()
+	c, err := DialAgent(bctx, m)
+	if err != nil {
+		return fmt.Errorf("parent agent: %w%s", err, consoleTail(consoleLog))
+	}
+	defer c.Close()
+	if err := c.Init(bctx, initRequest("parent")); err != nil {
+		return fmt.Errorf("parent init: %w", err)
+	}
+	for _, cmd := range spec.Warmup {
+		e.progress("warmup: %s", cmd)
+		var out limitedBuffer
+		res, err := c.Exec(ctx, agent.ExecRequest{Shell: cmd, Stdout: &out, Stderr: &out, Timeout: 10 * time.Minute})
+		if err != nil {
+			return fmt.Errorf("warmup %q: %w", cmd, err)
+		}
+		if res.ExitCode != 0 || res.Signal != "" {
+			return errdefs.FailedPrecondition("warmup %q failed (exit %d%s): %s", cmd, res.ExitCode, sigSuffix(res.Signal), out.String())
+		}
+	}
+	return nil
+}
+
+func sigSuffix(sig string) string {
+	if sig == "" {
+		return ""
+	}
+	return ", signal " + sig
+}
+
+// DialAgent connects to a machine's agent and completes the handshake,
+// retrying until ctx ends (the guest may still be booting).
+func DialAgent(ctx context.Context, m vmm.Machine) (*agent.Client, error) {
+	var last error
+	for {
+		conn, err := m.DialAgent(ctx)
+		if err == nil {
+			c, err := agent.Dial(ctx, conn, agent.Options{})
+			if err == nil {
+				return c, nil
+			}
+			conn.Close()
+			last = err
+		} else {
+			last = err
+			if errdefs.IsFailedPrecondition(err) {
+				return nil, err
+			}
+		}
+		select {
+		case <-ctx.Done():
+			if last == nil {
+				last = ctx.Err()
+			}
+			return nil, fmt.Errorf("agent did not answer: %w", last)
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+}
+
+// initRequest is what every VM is told after boot or restore: the time,
+// fresh entropy, and who it is.
+func initRequest(id string) proto.InitRequest {
+	ent := make([]byte, 64)
+	rand.Read(ent)
+	return proto.InitRequest{Time: time.Now(), Entropy: ent, SandboxID: id, Hostname: id}
+}
+
+func consoleTail(path string) string {
+	b, err := os.ReadFile(path)
+	if err != nil || len(b) == 0 {
+		return ""
+	}
+	if len(b) > 800 {
+		b = b[len(b)-800:]
+	}
+	return "\nguest console:\n" + string(b)
+}
+
+// contentHash hashes a snapshot's state and memory files.
+func contentHash(paths ...string) (string, error) {
+	h := sha256.New()
+	buf := make([]byte, 1<<20)
+	for _, p := range paths {
+		f, err := os.Open(p)
+		if err != nil {
+			return "", err
+		}
+		_, err = io.CopyBuffer(h, f, buf)
+		f.Close()
+		if err != nil {
+			return "", err
+		}
+	}
+	runtime.KeepAlive(buf)
+	return hex.EncodeToString(h.Sum(nil)), nil
+}
+
+// limitedBuffer keeps the last 4 KiB written to it.
+type limitedBuffer struct{ b []byte }
+
+func (l *limitedBuffer) Write(p []byte) (int, error) {
+	l.b = append(l.b, p...)
+	if len(l.b) > 4096 {
+		l.b = l.b[len(l.b)-4096:]
+	}
+	return len(p), nil
+}
+
+func (l *limitedBuffer) String() string { return string(l.b) }
+
+var errNoAgent = errors.New("no agent")

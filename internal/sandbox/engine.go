@@ -1,0 +1,165 @@
+// Package sandbox orchestrates forkd's work: building warm snapshots,
+// forking children from them, and tracking, reaching and killing those
+// children. It joins the VMM backend, the snapshot store, the state store,
+// the image builder and the guest agent.
+//
+// VMs run detached from the process that starts them: a CLI command forks
+// children and exits; the next command finds them in the state store and
+// re-adopts them by pid and start time.
+package sandbox
+
+import (
+	"crypto/rand"
+	"encoding/base32"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"sync"
+
+	"github.com/forkd/forkd/internal/agent"
+	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/image"
+	"github.com/forkd/forkd/internal/snapshot"
+	"github.com/forkd/forkd/internal/state"
+	"github.com/forkd/forkd/internal/vmm"
+)
+
+// Config configures an Engine.
+type Config struct {
+	// DataDir holds snapshots, state, run dirs and the image cache.
+	DataDir string
+	// Backend runs the VMs.
+	Backend vmm.Backend
+	// AgentPath is the static forkd-agent binary put into images.
+	AgentPath string
+	// MaxParallel bounds concurrent restores (default 2 × CPU count).
+	MaxParallel int
+	// MaxChildren bounds one fork request (default 1000).
+	MaxChildren int
+	// Daemon keeps the state database open and agent connections cached.
+	Daemon bool
+	// Progress receives human progress lines; may be nil.
+	Progress io.Writer
+	Logger   *slog.Logger
+}
+
+// Engine does the work. Its methods are safe for concurrent use.
+type Engine struct {
+	cfg    Config
+	log    *slog.Logger
+	snaps  *snapshot.Store
+	state  *state.Store
+	images *image.Builder
+	runDir string
+
+	mu    sync.Mutex               // guards conns
+	conns map[string]*agent.Client // daemon mode: one agent session per sandbox
+}
+
+// New opens the data dir.
+func New(cfg Config) (*Engine, error) {
+	if cfg.DataDir == "" {
+		return nil, errdefs.InvalidArgument("no data dir")
+	}
+	if cfg.Backend == nil {
+		return nil, errdefs.InvalidArgument("no VMM backend")
+	}
+	if cfg.MaxParallel <= 0 {
+		cfg.MaxParallel = 2 * runtime.NumCPU()
+	}
+	if cfg.MaxChildren <= 0 {
+		cfg.MaxChildren = 1000
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
+	}
+	if cfg.Progress == nil {
+		cfg.Progress = io.Discard
+	}
+	if err := os.MkdirAll(cfg.DataDir, 0o700); err != nil {
+		return nil, fmt.Errorf("data dir: %w", err)
+	}
+	snaps, err := snapshot.Open(filepath.Join(cfg.DataDir, "snapshots"))
+	if err != nil {
+		return nil, err
+	}
+	st, err := state.Open(filepath.Join(cfg.DataDir, "state.db"), state.Options{Persistent: cfg.Daemon})
+	if err != nil {
+		return nil, err
+	}
+	runDir := filepath.Join(cfg.DataDir, "run")
+	if err := os.MkdirAll(runDir, 0o700); err != nil {
+		return nil, err
+	}
+	e := &Engine{
+		cfg:    cfg,
+		log:    cfg.Logger,
+		snaps:  snaps,
+		state:  st,
+		runDir: runDir,
+		conns:  map[string]*agent.Client{},
+		images: &image.Builder{
+			CacheDir:  filepath.Join(cfg.DataDir, "cache"),
+			AgentPath: cfg.AgentPath,
+			Progress:  cfg.Progress,
+			Logger:    cfg.Logger,
+		},
+	}
+	return e, nil
+}
+
+// Close releases the engine's resources. Sandboxes keep running.
+func (e *Engine) Close() error {
+	e.mu.Lock()
+	for id, c := range e.conns {
+		c.Close()
+		delete(e.conns, id)
+	}
+	e.mu.Unlock()
+	return e.state.Close()
+}
+
+// Snapshots is the engine's snapshot store.
+func (e *Engine) Snapshots() *snapshot.Store { return e.snaps }
+
+// State is the engine's sandbox database.
+func (e *Engine) State() *state.Store { return e.state }
+
+// Images is the engine's image builder.
+func (e *Engine) Images() *image.Builder { return e.images }
+
+// Backend is the engine's VMM backend.
+func (e *Engine) Backend() vmm.Backend { return e.cfg.Backend }
+
+// Config returns the engine's configuration.
+func (e *Engine) Config() Config { return e.cfg }
+
+func (e *Engine) progress(format string, args ...any) {
+	fmt.Fprintf(e.cfg.Progress, format+"\n", args...)
+}
+
+var idEncoding = base32.NewEncoding("abcdefghijklmnopqrstuvwxyz234567").WithPadding(base32.NoPadding)
+
+// newID returns a fresh sandbox id: "sb-" and 10 random base32 characters.
+func newID() string {
+	var b [7]byte
+	rand.Read(b[:])
+	return "sb-" + idEncoding.EncodeToString(b[:])[:10]
+}
+
+// ValidateID checks a sandbox id's shape before it names anything.
+func ValidateID(id string) error {
+	if len(id) != 13 || !strings.HasPrefix(id, "sb-") {
+		return errdefs.InvalidArgument("sandbox id %q: want sb- and 10 characters", id)
+	}
+	for _, r := range id[3:] {
+		if !(r >= 'a' && r <= 'z' || r >= '2' && r <= '7') {
+			return errdefs.InvalidArgument("sandbox id %q: bad character %q", id, r)
+		}
+	}
+	return nil
+}

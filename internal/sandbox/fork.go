@@ -1,0 +1,213 @@
+package sandbox
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sync"
+	"time"
+
+	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/snapshot"
+	"github.com/forkd/forkd/internal/state"
+	"github.com/forkd/forkd/internal/vmm"
+)
+
+// ForkSpec describes a batch of children.
+type ForkSpec struct {
+	Tag      string
+	N        int
+	Metadata map[string]string
+	// ReadyTimeout bounds each child's restore until its agent answers.
+	ReadyTimeout time.Duration
+	// KeepPartial keeps the children that came up when others failed;
+	// by default a batch is all or nothing.
+	KeepPartial bool
+}
+
+// Child is the fate of one child of a batch.
+type Child struct {
+	ID      string         `json:"id"`
+	ReadyMS float64        `json:"ready_ms"`
+	Err     error          `json:"-"`
+	Sandbox *state.Sandbox `json:"-"`
+}
+
+// ForkResult is a finished batch.
+type ForkResult struct {
+	Children []Child `json:"children"`
+	WallMS   float64 `json:"wall_ms"`
+}
+
+// Fork restores spec.N children of snapshot spec.Tag in parallel (at most
+// MaxParallel at once) and returns when every child's agent has answered.
+// Children are recorded in the state store before their VMM starts, so a
+// crash mid-batch leaves records the next start reconciles.
+func (e *Engine) Fork(ctx context.Context, spec ForkSpec) (*ForkResult, error) {
+	if err := snapshot.ValidateTag(spec.Tag); err != nil {
+		return nil, err
+	}
+	if spec.N < 1 || spec.N > e.cfg.MaxChildren {
+		return nil, errdefs.InvalidArgument("n = %d: want 1 to %d", spec.N, e.cfg.MaxChildren)
+	}
+	if err := validateMetadata(spec.Metadata); err != nil {
+		return nil, err
+	}
+	if spec.ReadyTimeout == 0 {
+		spec.ReadyTimeout = 2 * time.Minute
+	}
+	snap, err := e.snaps.Get(spec.Tag)
+	if err != nil {
+		return nil, err
+	}
+	if snap.Status != snapshot.StatusReady {
+		return nil, errdefs.FailedPrecondition("snapshot %q is %s, not ready", spec.Tag, snap.Status)
+	}
+	if snap.Backend != e.cfg.Backend.Name() {
+		return nil, errdefs.FailedPrecondition("snapshot %q was made by backend %s; this forkd uses %s", spec.Tag, snap.Backend, e.cfg.Backend.Name())
+	}
+	start := time.Now()
+	res := &ForkResult{Children: make([]Child, spec.N)}
+	sem := make(chan struct{}, e.cfg.MaxParallel)
+	var wg sync.WaitGroup
+	for i := range res.Children {
+		wg.Add(1)
+		go func(c *Child) {
+			defer wg.Done()
+			select {
+			case sem <- struct{}{}:
+			case <-ctx.Done():
+				c.Err = ctx.Err()
+				return
+			}
+			defer func() { <-sem }()
+			*c = e.forkOne(ctx, snap, spec)
+		}(&res.Children[i])
+	}
+	wg.Wait()
+	res.WallMS = msSince(start)
+	var errs []error
+	for _, c := range res.Children {
+		if c.Err != nil {
+			errs = append(errs, c.Err)
+		}
+	}
+	if len(errs) == 0 {
+		return res, nil
+	}
+	first := errs[0]
+	err = fmt.Errorf("%d of %d children failed: %w", len(errs), spec.N, first)
+	if !spec.KeepPartial {
+		kctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Minute)
+		defer cancel()
+		var kerrs []error
+		for _, c := range res.Children {
+			if c.Err == nil {
+				if kerr := e.Kill(kctx, c.ID); kerr != nil {
+					kerrs = append(kerrs, kerr)
+				}
+			}
+		}
+		return nil, errors.Join(append([]error{err}, kerrs...)...)
+	}
+	return res, err
+}
+
+// forkOne restores one child and waits for its agent.
+func (e *Engine) forkOne(ctx context.Context, snap *snapshot.Snapshot, spec ForkSpec) (c Child) {
+	start := time.Now()
+	id := newID()
+	c.ID = id
+	sb := &state.Sandbox{
+		ID:       id,
+		Snapshot: snap.Tag,
+		Status:   state.StatusStarting,
+		Handle:   vmm.Handle{Backend: e.cfg.Backend.Name(), RunDir: filepath.Join(e.runDir, id)},
+		Created:  time.Now().UTC(),
+		Metadata: spec.Metadata,
+	}
+	if err := e.state.Put(sb); err != nil {
+		c.Err = err
+		return c
+	}
+	var m vmm.Machine
+	fail := func(err error) Child {
+		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
+		defer cancel()
+		if m != nil {
+			m.Stop(cctx)
+		}
+		e.state.Delete(id)
+		c.Err = fmt.Errorf("child %s: %w", id, err)
+		return c
+	}
+	_, ref, err := e.snaps.Acquire(snap.Tag)
+	if err != nil {
+		return fail(err)
+	}
+	rspec := vmm.RestoreSpec{
+		Name:       id,
+		RunDir:     sb.Handle.RunDir,
+		Config:     snap.Machine,
+		MemoryFile: snap.MemoryPath(),
+		StateFile:  snap.StatePath(),
+		Hold:       []*os.File{ref.File},
+	}
+	if snap.Rootfs.Path != "" {
+		rspec.Disks = []vmm.Disk{{Path: snap.Rootfs.Path, ReadOnly: true}}
+	}
+	rctx, cancel := context.WithTimeout(ctx, spec.ReadyTimeout)
+	defer cancel()
+	m, err = e.cfg.Backend.Restore(rctx, rspec)
+	ref.Close()
+	if err != nil {
+		return fail(err)
+	}
+	sb.Handle = m.Handle()
+	client, err := DialAgent(rctx, m)
+	if err != nil {
+		return fail(err)
+	}
+	if err := client.Init(rctx, initRequest(id)); err != nil {
+		client.Close()
+		return fail(fmt.Errorf("init: %w", err))
+	}
+	c.ReadyMS = msSince(start)
+	sb.Status = state.StatusRunning
+	sb.ReadyMS = int64(c.ReadyMS)
+	if err := e.state.Put(sb); err != nil {
+		client.Close()
+		return fail(err)
+	}
+	e.keepClient(id, client)
+	c.Sandbox = sb
+	return c
+}
+
+func msSince(t time.Time) float64 {
+	return float64(time.Since(t).Microseconds()) / 1000
+}
+
+// Metadata limits.
+const (
+	maxMetadataKeys  = 64
+	maxMetadataKey   = 128
+	maxMetadataValue = 1024
+)
+
+func validateMetadata(md map[string]string) error {
+	if len(md) > maxMetadataKeys {
+		return errdefs.InvalidArgument("metadata has %d keys; the limit is %d", len(md), maxMetadataKeys)
+	}
+	for k, v := range md {
+		if k == "" || len(k) > maxMetadataKey {
+			return errdefs.InvalidArgument("metadata key %q: want 1 to %d bytes", k, maxMetadataKey)
+		}
+		if len(v) > maxMetadataValue {
+			return errdefs.InvalidArgument("metadata value of %q: over %d bytes", k, maxMetadataValue)
+		}
+	}
+	return nil
+}

@@ -1,0 +1,157 @@
+package sandbox
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+
+	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/proc"
+	"github.com/forkd/forkd/internal/state"
+)
+
+// Kill stops sandbox id, removes its runtime files and its record.
+// Killing a sandbox whose VMM already died cleans up after it.
+func (e *Engine) Kill(ctx context.Context, id string) error {
+	if err := ValidateID(id); err != nil {
+		return err
+	}
+	sb, err := e.state.Get(id)
+	if err != nil {
+		return err
+	}
+	e.dropClient(id)
+	if err := e.stop(ctx, sb); err != nil {
+		return fmt.Errorf("kill %s: %w", id, err)
+	}
+	return e.state.Delete(id)
+}
+
+// stop ends a sandbox's VMM (if it still runs) and removes its run dir.
+func (e *Engine) stop(ctx context.Context, sb *state.Sandbox) error {
+	h := sb.Handle
+	if h.Process.PID != 0 {
+		if err := proc.Kill(ctx, h.Process); err != nil {
+			return err
+		}
+	}
+	if h.RunDir != "" {
+		if err := os.RemoveAll(h.RunDir); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// KillAll kills every sandbox, or those of one snapshot when tag is set.
+// It returns the ids killed.
+func (e *Engine) KillAll(ctx context.Context, tag string) ([]string, error) {
+	list, err := e.state.List()
+	if err != nil {
+		return nil, err
+	}
+	var killed []string
+	var errs []error
+	for _, sb := range list {
+		if tag != "" && sb.Snapshot != tag {
+			continue
+		}
+		if err := e.Kill(ctx, sb.ID); err != nil && !errdefs.IsNotFound(err) {
+			errs = append(errs, err)
+			continue
+		}
+		killed = append(killed, sb.ID)
+	}
+	return killed, errors.Join(errs...)
+}
+
+// List returns every sandbox, with the status of each checked against the
+// host: a running record whose VMM is gone is marked dead (and persisted).
+func (e *Engine) List(ctx context.Context) ([]*state.Sandbox, error) {
+	list, err := e.state.List()
+	if err != nil {
+		return nil, err
+	}
+	for _, sb := range list {
+		e.refresh(sb)
+	}
+	return list, nil
+}
+
+// Get returns one sandbox, its status checked against the host.
+func (e *Engine) Get(ctx context.Context, id string) (*state.Sandbox, error) {
+	if err := ValidateID(id); err != nil {
+		return nil, err
+	}
+	sb, err := e.state.Get(id)
+	if err != nil {
+		return nil, err
+	}
+	e.refresh(sb)
+	return sb, nil
+}
+
+// refresh marks sb dead when its VMM process no longer runs.
+func (e *Engine) refresh(sb *state.Sandbox) {
+	if sb.Status != state.StatusRunning {
+		return
+	}
+	if proc.Alive(sb.Handle.Process) {
+		return
+	}
+	sb.Status = state.StatusDead
+	e.dropClient(sb.ID)
+	if _, err := e.state.Update(sb.ID, func(r *state.Sandbox) error {
+		if r.Status == state.StatusRunning {
+			r.Status = state.StatusDead
+		}
+		return nil
+	}); err != nil {
+		e.log.Warn("mark sandbox dead", "sandbox", sb.ID, "err", err)
+	}
+}
+
+// Users returns the ids of live sandboxes of snapshot tag.
+func (e *Engine) Users(tag string) ([]string, error) {
+	list, err := e.state.List()
+	if err != nil {
+		return nil, err
+	}
+	var ids []string
+	for _, sb := range list {
+		if sb.Snapshot == tag && proc.Alive(sb.Handle.Process) {
+			ids = append(ids, sb.ID)
+		}
+	}
+	return ids, nil
+}
+
+// RemoveSnapshot deletes snapshot tag; refused while any VMM uses it.
+func (e *Engine) RemoveSnapshot(tag string) error {
+	err := e.snaps.Remove(tag)
+	if errdefs.IsFailedPrecondition(err) {
+		if ids, lerr := e.Users(tag); lerr == nil && len(ids) > 0 {
+			return errdefs.FailedPrecondition("snapshot %q is in use by %d sandbox(es) (%s); kill them first (forkd kill --tag %s)", tag, len(ids), shortList(ids), tag)
+		}
+	}
+	return err
+}
+
+func shortList(ids []string) string {
+	if len(ids) > 5 {
+		return fmt.Sprintf("%s, … %d more", joinComma(ids[:5]), len(ids)-5)
+	}
+	return joinComma(ids)
+}
+
+func joinComma(s []string) string {
+	out := ""
+	for i, x := range s {
+		if i > 0 {
+			out += ", "
+		}
+		out += x
+	}
+	return out
+}

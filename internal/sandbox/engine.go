@@ -36,6 +36,8 @@ type Config struct {
 	Backend vmm.Backend
 	// AgentPath is the static forkd-agent binary put into images.
 	AgentPath string
+	// CacheDir holds built images (default <DataDir>/cache).
+	CacheDir string
 	// MaxParallel bounds concurrent restores (default 2 × CPU count).
 	MaxParallel int
 	// MaxChildren bounds one fork request (default 1000).
@@ -77,6 +79,9 @@ func New(cfg Config) (*Engine, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
 	}
+	if cfg.CacheDir == "" {
+		cfg.CacheDir = filepath.Join(cfg.DataDir, "cache")
+	}
 	if cfg.Progress == nil {
 		cfg.Progress = io.Discard
 	}
@@ -103,7 +108,7 @@ func New(cfg Config) (*Engine, error) {
 		runDir: runDir,
 		conns:  map[string]*agent.Client{},
 		images: &image.Builder{
-			CacheDir:  filepath.Join(cfg.DataDir, "cache"),
+			CacheDir:  cfg.CacheDir,
 			AgentPath: cfg.AgentPath,
 			Progress:  cfg.Progress,
 			Logger:    cfg.Logger,

@@ -1,0 +1,63 @@
+package qemu
+
+import (
+	"strings"
+	"testing"
+
+	"github.com/forkd/forkd/internal/vmm"
+)
+
+func TestIdentityArgsStable(t *testing.T) {
+	c := machineConfig{Version: "7.2.22", Machine: "microvm", Accel: "tcg", TBSizeMiB: 16, CPU: "qemu64,+arat",
+		MemoryMiB: 256, VCPUs: 1, Disks: 1, NICs: []string{"52:54:00:00:00:01"}}
+	got := strings.Join(c.identityArgs(), " ")
+	want := "-M microvm,pit=on,pic=on,rtc=on,memory-backend=mem -accel tcg,tb-size=16 -cpu qemu64,+arat -m 256M -smp 1 " +
+		"-nodefaults -no-user-config -display none -device virtio-serial-device -device virtconsole,chardev=agent,id=con0 " +
+		"-device virtio-blk-device,drive=disk0,id=blk0 -device virtio-net-device,netdev=net0,mac=52:54:00:00:00:01,id=nic0"
+	if got != want {
+		t.Fatalf("identity args\n got %s\nwant %s", got, want)
+	}
+	// The config round-trips through its encoding.
+	d, err := decodeConfig(c.encode())
+	if err != nil || strings.Join(d.identityArgs(), " ") != want {
+		t.Fatalf("decode: %v", err)
+	}
+}
+
+func TestInstanceArgs(t *testing.T) {
+	c := machineConfig{Machine: "q35", Accel: "kvm", CPU: "host", MemoryMiB: 512, VCPUs: 2}
+	args := strings.Join(c.instanceArgs(instance{
+		name: "sb-x", memoryFile: "/data/a,b/memory", shared: false,
+		disks: []vmm.Disk{{Path: "/img/root.ext4", ReadOnly: true}}, incoming: true,
+	}), " ")
+	for _, want := range []string{
+		"mem-path=/data/a,,b/memory,share=off", // commas escaped
+		"file=/img/root.ext4,if=none,id=disk0,format=raw,readonly=on",
+		"-serial null", "-incoming defer", "-qmp unix:qmp.sock,server=on,wait=off",
+	} {
+		if !strings.Contains(args, want) {
+			t.Errorf("instance args lack %q:\n%s", want, args)
+		}
+	}
+}
+
+func TestDecodeConfigRejects(t *testing.T) {
+	for _, bad := range []string{"{", `{"machine":"pc","memory_mib":256,"vcpus":1}`, `{"machine":"microvm","memory_mib":0,"vcpus":1}`} {
+		if _, err := decodeConfig([]byte(bad)); err == nil {
+			t.Errorf("decodeConfig(%s) accepted", bad)
+		}
+	}
+}
+
+func TestCPUInfo(t *testing.T) {
+	info := []byte("processor\t: 0\ncpu MHz\t\t: 2596.150\nflags\t\t: fpu constant_tsc svm\n\nprocessor\t: 1\ncpu MHz\t\t: 1000.0\n")
+	if k := cpuinfoTSCkHz(info); k != 2596150 {
+		t.Errorf("tsc kHz = %d", k)
+	}
+	if !cpuHasVirt(info) {
+		t.Error("svm not seen")
+	}
+	if cpuinfoTSCkHz([]byte("cpu MHz : 2000\nflags : fpu\n")) != 0 {
+		t.Error("TSC rate trusted without constant_tsc")
+	}
+}

@@ -171,7 +171,7 @@ type Tools struct {
 // and not changed after; a Builder is then safe for concurrent use, and
 // several Builders (in several processes) may share one CacheDir.
 type Builder struct {
-	CacheDir  string    // e.g. <data dir>/cache
+	CacheDir  string    // absolute, e.g. <data dir>/cache
 	AgentPath string    // the static forkd-agent binary that becomes /init
 	Progress  io.Writer // human progress lines; nil for none
 	Logger    *slog.Logger
@@ -221,15 +221,8 @@ func (b *Builder) etcDir() string {
 }
 
 func (b *Builder) check() error {
-	if b.CacheDir == "" {
-		return errdefs.InvalidArgument("image builder: no cache directory")
-	}
-	if !filepath.IsAbs(b.CacheDir) {
-		abs, err := filepath.Abs(b.CacheDir)
-		if err != nil {
-			return err
-		}
-		b.CacheDir = abs
+	if b.CacheDir == "" || !filepath.IsAbs(b.CacheDir) {
+		return errdefs.InvalidArgument("image builder: cache directory %q is not an absolute path", b.CacheDir)
 	}
 	return checkAgent(b.AgentPath)
 }

@@ -146,6 +146,7 @@ func (g *globals) engine() (*sandbox.Engine, error) {
 		DataDir:   dir,
 		Backend:   be,
 		AgentPath: agentPath(),
+		CacheDir:  os.Getenv("FORKD_CACHE"),
 		Progress:  g.stderr,
 		Logger:    g.logger(),
 	})

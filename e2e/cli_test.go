@@ -1,0 +1,226 @@
+// Package e2e drives the real forkd binary the way the README does: real
+// processes, real QEMU VMs, real exit codes.
+package e2e
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/forkd/forkd/internal/testvm"
+)
+
+var forkdBin string
+
+func TestMain(m *testing.M) {
+	dir, err := os.MkdirTemp("", "forkd-e2e-")
+	if err != nil {
+		panic(err)
+	}
+	forkdBin = filepath.Join(dir, "forkd")
+	if out, err := exec.Command("go", "build", "-o", forkdBin, "../cmd/forkd").CombinedOutput(); err != nil {
+		os.Stderr.Write(out)
+		os.Exit(1)
+	}
+	code := m.Run()
+	os.RemoveAll(dir)
+	os.Exit(code)
+}
+
+// cli runs forkd with a data dir and the shared image cache.
+type cli struct {
+	t    *testing.T
+	data string
+	env  []string
+}
+
+func newCLI(t *testing.T) *cli {
+	testvm.Require(t)
+	c := &cli{t: t, data: t.TempDir()}
+	c.env = append(os.Environ(),
+		"FORKD_DATA="+c.data,
+		"FORKD_CACHE="+testvm.CacheDir(t),
+		"FORKD_AGENT="+testvm.AgentBinary(t))
+	t.Cleanup(func() { c.run("kill", "--all") })
+	return c
+}
+
+// run returns stdout, stderr and the exit code.
+func (c *cli) run(args ...string) (string, string, int) {
+	c.t.Helper()
+	cmd := exec.Command(forkdBin, args...)
+	cmd.Env = c.env
+	var out, errb bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &errb
+	err := cmd.Run()
+	code := 0
+	var ee *exec.ExitError
+	if errors.As(err, &ee) {
+		code = ee.ExitCode()
+	} else if err != nil {
+		c.t.Fatalf("forkd %v: %v", args, err)
+	}
+	return out.String(), errb.String(), code
+}
+
+func (c *cli) ok(args ...string) string {
+	c.t.Helper()
+	out, errs, code := c.run(args...)
+	if code != 0 {
+		c.t.Fatalf("forkd %s: exit %d\n%s", strings.Join(args, " "), code, errs)
+	}
+	return out
+}
+
+func TestSnapshotForkExecKill(t *testing.T) {
+	c := newCLI(t)
+	c.ok("snapshot", "--tag", "base", "--image", "minimal")
+
+	var fork struct {
+		Children []struct {
+			ID      string  `json:"id"`
+			ReadyMS float64 `json:"ready_ms"`
+		} `json:"children"`
+		WallMS float64 `json:"wall_ms"`
+	}
+	if err := json.Unmarshal([]byte(c.ok("fork", "--tag", "base", "-n", "3", "--json")), &fork); err != nil {
+		t.Fatal(err)
+	}
+	if len(fork.Children) != 3 || fork.WallMS <= 0 || fork.Children[0].ReadyMS <= 0 {
+		t.Fatalf("fork --json = %+v", fork)
+	}
+	id := fork.Children[0].ID
+
+	// exec: guest stdout on ours, its exit code as ours, stderr apart.
+	out, errs, code := c.run("exec", id, "--", "sh", "-c", "echo out; echo err >&2; exit 7")
+	if out != "out\n" || errs != "err\n" || code != 7 {
+		t.Fatalf("exec = %q, %q, %d", out, errs, code)
+	}
+	if out := c.ok("exec", id, "--", "hostname"); strings.TrimSpace(out) != id {
+		t.Fatalf("hostname = %q", out)
+	}
+	if _, _, code := c.run("exec", id, "--", "sh", "-c", "kill -9 $$"); code != 128+9 {
+		t.Fatalf("exec killed by SIGKILL: exit %d, want 137", code)
+	}
+
+	var ls struct {
+		Sandboxes []struct {
+			ID, Snapshot, Status string
+		} `json:"sandboxes"`
+	}
+	json.Unmarshal([]byte(c.ok("ls", "--json")), &ls)
+	if len(ls.Sandboxes) != 3 || ls.Sandboxes[0].Status != "running" || ls.Sandboxes[0].Snapshot != "base" {
+		t.Fatalf("ls --json = %+v", ls)
+	}
+
+	var images struct {
+		Snapshots []struct {
+			Tag      string `json:"tag"`
+			Status   string `json:"status"`
+			Refcount int    `json:"refcount"`
+		} `json:"snapshots"`
+	}
+	json.Unmarshal([]byte(c.ok("images", "--json")), &images)
+	if len(images.Snapshots) != 1 || images.Snapshots[0].Refcount != 3 || images.Snapshots[0].Status != "ready" {
+		t.Fatalf("images --json = %+v", images)
+	}
+
+	_, errs, code = c.run("rmi", "base")
+	if code == 0 || !strings.Contains(errs, "in use by 3 sandbox") {
+		t.Fatalf("rmi with live children: exit %d, %q", code, errs)
+	}
+
+	c.ok("kill", id)
+	if _, errs, code := c.run("exec", id, "--", "true"); code == 0 || !strings.Contains(errs, "not found") {
+		t.Fatalf("exec in a killed sandbox: %d %q", code, errs)
+	}
+	killed := strings.Fields(c.ok("kill", "--all"))
+	if len(killed) != 2 {
+		t.Fatalf("kill --all killed %v", killed)
+	}
+	if out := c.ok("ls", "--json"); !strings.Contains(out, `"sandboxes": []`) {
+		t.Fatalf("ls after kill --all: %s", out)
+	}
+	c.ok("rmi", "base")
+}
+
+func TestBadInputExitCodes(t *testing.T) {
+	c := newCLI(t)
+	for _, tag := range []string{"../x", "/etc", "a/b", "", strings.Repeat("x", 200)} {
+		for _, args := range [][]string{
+			{"snapshot", "--tag", tag},
+			{"fork", "--tag", tag, "-n", "1"},
+			{"rmi", tag},
+		} {
+			_, errs, code := c.run(args...)
+			if code != 2 || !strings.Contains(errs, "tag") {
+				t.Errorf("forkd %q: exit %d, %q", args, code, errs)
+			}
+		}
+	}
+	for _, args := range [][]string{
+		{"fork", "--tag", "x", "-n", "0"},
+		{"kill"},
+		{"kill", "--all", "sb-aaaaaaaaaa"},
+		{"exec", "../../x", "--", "true"},
+		{"snapshot", "--tag", "x", "--mem-size-mib", "1"},
+	} {
+		if _, _, code := c.run(args...); code != 2 {
+			t.Errorf("forkd %q: exit %d, want 2", args, code)
+		}
+	}
+	// Nothing was created.
+	entries, _ := os.ReadDir(filepath.Join(c.data, "snapshots"))
+	if len(entries) != 0 {
+		t.Errorf("snapshots created by bad input: %v", entries)
+	}
+}
+
+func TestQuickstartIdempotent(t *testing.T) {
+	c := newCLI(t)
+	for i := 0; i < 2; i++ {
+		out := c.ok("quickstart", "-n", "2", "--yes")
+		lines := strings.Split(strings.TrimSpace(out), "\n")
+		if len(lines) != 2 {
+			t.Fatalf("run %d: quickstart printed %q", i, out)
+		}
+		for _, l := range lines {
+			if !strings.Contains(l, "hello from sb-") {
+				t.Fatalf("run %d: child output %q", i, l)
+			}
+		}
+	}
+	var ls struct{ Sandboxes []struct{ ID string } }
+	json.Unmarshal([]byte(c.ok("ls", "--json")), &ls)
+	if len(ls.Sandboxes) != 2 {
+		t.Fatalf("after two quickstarts: %d sandboxes, want 2", len(ls.Sandboxes))
+	}
+}
+
+func TestBenchJSON(t *testing.T) {
+	c := newCLI(t)
+	out := c.ok("bench", "-n", "2", "--cold-runs", "1", "--exec-runs", "5", "--idle", "1s", "--json")
+	var r map[string]any
+	if err := json.Unmarshal([]byte(out), &r); err != nil {
+		t.Fatal(err)
+	}
+	for _, k := range []string{"n", "cold_boot_ms", "cold_boot_n_wall_ms", "fork_n_wall_ms", "fork_ready_p50_ms",
+		"fork_ready_p90_ms", "child_private_mib", "child_guest_private_mib", "idle_cpu_pct_per_child", "exec_roundtrip_p50_ms"} {
+		v, ok := r[k].(float64)
+		if !ok || v < 0 || (k != "idle_cpu_pct_per_child" && v == 0) {
+			t.Errorf("bench key %s = %v", k, r[k])
+		}
+	}
+	// The bench leaves no VM and no snapshot behind.
+	if out := c.ok("ls", "--json"); !strings.Contains(out, `"sandboxes": []`) {
+		t.Errorf("bench left sandboxes: %s", out)
+	}
+	if out := c.ok("images", "--json"); !strings.Contains(out, `"snapshots": []`) {
+		t.Errorf("bench left snapshots: %s", out)
+	}
+}

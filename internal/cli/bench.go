@@ -55,7 +55,7 @@ func printBench(g *globals, r *bench.Result) {
 	m := r.Machine
 	fmt.Fprintf(g.stdout, "machine: %s, %d cores, %d MiB, %s, kernel %s\n", m.CPUModel, m.Cores, m.MemoryMiB, m.OS, m.Kernel)
 	fmt.Fprintf(g.stdout, "backend: %s %s (%s); image %s; n = %d\n\n", m.Backend, m.Version, m.Accelerator, r.Image, r.N)
-	tw := tabwriter.NewWriter(g.stdout, 0, 4, 2, ' ', tabwriter.AlignRight)
+	tw := tabwriter.NewWriter(g.stdout, 0, 4, 2, ' ', 0)
 	row := func(name string, vals ...string) {
 		fmt.Fprint(tw, name)
 		for _, v := range vals {

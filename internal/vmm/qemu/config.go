@@ -24,6 +24,10 @@ type machineConfig struct {
 	Disks     int      `json:"disks"`
 	NICs      []string `json:"nic_macs,omitempty"`
 	TSCkHz    int      `json:"tsc_khz,omitempty"`
+	// Argv is identityArgs() as it was when the machine booted; a restore
+	// refuses a snapshot whose identity this code would now spell
+	// differently.
+	Argv []string `json:"argv"`
 }
 
 func decodeConfig(b []byte) (machineConfig, error) {
@@ -36,6 +40,10 @@ func decodeConfig(b []byte) (machineConfig, error) {
 	}
 	if c.MemoryMiB <= 0 || c.VCPUs <= 0 {
 		return c, errdefs.InvalidArgument("qemu machine config: bad shape %d MiB / %d vCPUs", c.MemoryMiB, c.VCPUs)
+	}
+	if got := strings.Join(c.identityArgs(), " "); got != strings.Join(c.Argv, " ") {
+		return c, errdefs.FailedPrecondition("qemu machine identity changed since the snapshot was made:\n was %s\n now %s",
+			strings.Join(c.Argv, " "), got)
 	}
 	return c, nil
 }

@@ -10,6 +10,7 @@ import (
 func TestIdentityArgsStable(t *testing.T) {
 	c := machineConfig{Version: "7.2.22", Machine: "microvm", Accel: "tcg", TBSizeMiB: 16, CPU: "qemu64,+arat",
 		MemoryMiB: 256, VCPUs: 1, Disks: 1, NICs: []string{"52:54:00:00:00:01"}}
+	c.Argv = c.identityArgs()
 	got := strings.Join(c.identityArgs(), " ")
 	want := "-M microvm,pit=on,pic=on,rtc=on,memory-backend=mem -accel tcg,tb-size=16 -cpu qemu64,+arat -m 256M -smp 1 " +
 		"-nodefaults -no-user-config -display none -device virtio-serial-device -device virtconsole,chardev=agent,id=con0 " +
@@ -42,7 +43,8 @@ func TestInstanceArgs(t *testing.T) {
 }
 
 func TestDecodeConfigRejects(t *testing.T) {
-	for _, bad := range []string{"{", `{"machine":"pc","memory_mib":256,"vcpus":1}`, `{"machine":"microvm","memory_mib":0,"vcpus":1}`} {
+	for _, bad := range []string{"{", `{"machine":"pc","memory_mib":256,"vcpus":1}`, `{"machine":"microvm","memory_mib":0,"vcpus":1}`,
+		`{"machine":"microvm","accel":"tcg","cpu":"qemu64","memory_mib":256,"vcpus":1,"argv":["-M","pc"]}`} {
 		if _, err := decodeConfig([]byte(bad)); err == nil {
 			t.Errorf("decodeConfig(%s) accepted", bad)
 		}

@@ -155,6 +155,7 @@ func (b *Backend) newConfig(ctx context.Context, spec vmm.BootSpec) (machineConf
 	} else {
 		c.CPU = "host"
 	}
+	c.Argv = c.identityArgs()
 	return c, nil
 }
 

@@ -116,10 +116,14 @@ func (tl Tools) Bootstrap(ctx context.Context, d Bootstrap, dir string, progress
 	return nil
 }
 
-// debootstrapPhase keeps the lines that mark a phase, not those per package.
+// debootstrapPhase keeps the lines that mark a phase ("I: Installing core
+// packages..."), warnings and errors, not those about one package ("I:
+// Extracting zlib1g...").
 func debootstrapPhase(l string) bool {
-	return strings.HasSuffix(l, "...") || strings.Contains(l, "successfully") ||
-		strings.HasPrefix(l, "W:") || strings.HasPrefix(l, "E:")
+	if strings.HasPrefix(l, "W:") || strings.HasPrefix(l, "E:") || strings.Contains(l, "successfully") {
+		return true
+	}
+	return strings.HasSuffix(l, "...") && len(strings.Fields(l)) > 3
 }
 
 // Ext4Options tune MakeExt4.

@@ -231,3 +231,18 @@ func TestMakeExt4(t *testing.T) {
 		t.Error("MakeExt4 over an existing file succeeded")
 	}
 }
+
+func TestDebootstrapPhase(t *testing.T) {
+	for l, want := range map[string]bool{
+		"I: Installing core packages...":         true,
+		"I: Unpacking the base system...":        true,
+		"I: Extracting zlib1g...":                false,
+		"I: Retrieving libc6 2.36-9":             false,
+		"W: Failure trying to run: x":            true,
+		"I: Base system installed successfully.": true,
+	} {
+		if got := debootstrapPhase(l); got != want {
+			t.Errorf("debootstrapPhase(%q) = %v", l, got)
+		}
+	}
+}

@@ -246,6 +246,33 @@ func createTap(nsPath string, slot int, uid, gid uint32) error {
 	})
 }
 
+// OpenTap attaches to the tap of the namespace at nsPath and returns the
+// queue as a file, for a VMM that should neither join the namespace nor
+// open /dev/net/tun itself (QEMU: ExtraFiles + -netdev tap,fd=N). The
+// caller owns the file; the tap keeps existing when it is closed.
+func OpenTap(nsPath string) (*os.File, error) {
+	var f *os.File
+	err := inNetNS(nsPath, func() error {
+		fd, err := unix.Open("/dev/net/tun", unix.O_RDWR|unix.O_CLOEXEC, 0)
+		if err != nil {
+			return fmt.Errorf("open /dev/net/tun: %w", err)
+		}
+		ifr, err := unix.NewIfreq(TapName)
+		if err != nil {
+			unix.Close(fd)
+			return err
+		}
+		ifr.SetUint16(unix.IFF_TAP | unix.IFF_NO_PI | unix.IFF_VNET_HDR)
+		if err := unix.IoctlIfreq(fd, unix.TUNSETIFF, ifr); err != nil {
+			unix.Close(fd)
+			return fmt.Errorf("attach to %s: %w", TapName, err)
+		}
+		f = os.NewFile(uintptr(fd), TapName)
+		return nil
+	})
+	return f, err
+}
+
 // deleteLink removes the host link name; a missing link is not an error.
 func deleteLink(name string) error {
 	l, err := netlink.LinkByName(name)

@@ -95,25 +95,24 @@ func StartIn(nsPath string, cmd *exec.Cmd, steps ...EnterFunc) error {
 	return <-errc
 }
 
-// inNetNS runs fn on a fresh OS thread inside the network namespace at
-// path. The thread is never unlocked, so the runtime discards it when fn
-// returns: nothing else can ever run in that namespace by accident.
+// inNetNS runs fn on an OS thread inside the network namespace at path,
+// then moves the thread back. Should moving back fail, the goroutine exits
+// still locked and the runtime discards the thread (or, for the main
+// thread, parks it for good), so nothing else ever runs in that namespace
+// by accident.
 func inNetNS(path string, fn func() error) error {
 	errc := make(chan error, 1)
 	go func() {
-		runtime.LockOSThread() // never unlocked: see above
-		ns, err := vnetns.GetFromPath(path)
+		restore, err := Enter(path)
 		if err != nil {
-			errc <- fmt.Errorf("open netns %s: %w", path, notFound(err))
+			errc <- err
 			return
 		}
-		err = vnetns.Set(ns)
-		ns.Close()
-		if err != nil {
-			errc <- fmt.Errorf("setns %s: %w", path, err)
-			return
+		err = fn()
+		if rerr := restore(); rerr != nil {
+			err = errors.Join(err, rerr) // the thread stays locked: see Enter
 		}
-		errc <- fn()
+		errc <- err
 	}()
 	return <-errc
 }
@@ -136,17 +135,31 @@ func createNamed(path string) error {
 	f.Close()
 	errc := make(chan error, 1)
 	go func() {
-		runtime.LockOSThread() // never unlocked: the thread ends up in the new namespace
+		runtime.LockOSThread()
+		orig, err := vnetns.Get()
+		if err != nil {
+			runtime.UnlockOSThread()
+			errc <- fmt.Errorf("open own netns: %w", err)
+			return
+		}
+		defer orig.Close()
 		if err := unix.Unshare(unix.CLONE_NEWNET); err != nil {
+			runtime.UnlockOSThread()
 			errc <- fmt.Errorf("unshare netns: %w", err)
 			return
 		}
 		src := fmt.Sprintf("/proc/self/task/%d/ns/net", unix.Gettid())
-		if err := unix.Mount(src, path, "none", unix.MS_BIND, ""); err != nil {
-			errc <- fmt.Errorf("bind-mount netns at %s: %w", path, err)
+		err = unix.Mount(src, path, "none", unix.MS_BIND, "")
+		if err != nil {
+			err = fmt.Errorf("bind-mount netns at %s: %w", path, err)
+		}
+		if serr := vnetns.Set(orig); serr != nil {
+			// Stay locked: the runtime discards the thread.
+			errc <- errors.Join(err, fmt.Errorf("setns back: %w", serr))
 			return
 		}
-		errc <- nil
+		runtime.UnlockOSThread()
+		errc <- err
 	}()
 	if err := <-errc; err != nil {
 		os.Remove(path)

@@ -377,7 +377,15 @@ func (m *Manager) listNetNS() ([]int, error) {
 
 // listHostLinks returns the host links named like ours, by slot.
 func (m *Manager) listHostLinks() (map[int]netlink.Link, error) {
-	links, err := netlink.LinkList()
+	var links []netlink.Link
+	var err error
+	// A dump is interrupted when links change meanwhile; retry for a
+	// consistent list.
+	for range 20 {
+		if links, err = netlink.LinkList(); !errors.Is(err, netlink.ErrDumpInterrupted) {
+			break
+		}
+	}
 	if err != nil {
 		return nil, fmt.Errorf("list links: %w", err)
 	}

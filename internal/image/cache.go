@@ -128,13 +128,15 @@ func (b *Builder) ensureDir(ctx context.Context, kind, key string, valid func(di
 			err = errors.Join(err, cl.run())
 		}
 	}()
-	if err := os.Chmod(staging, 0o755); err != nil {
-		return "", err
-	}
+	// The staging directory stays 0700 while it is built: an image's
+	// device nodes and setuid files must not be reachable by other users.
 	if err := build(ctx, staging); err != nil {
 		return "", err
 	}
 	if err := syncDir(staging); err != nil {
+		return "", err
+	}
+	if err := os.Chmod(staging, 0o755); err != nil {
 		return "", err
 	}
 	if _, err := os.Lstat(final); err == nil {

@@ -272,25 +272,26 @@ func (b *Builder) Build(ctx context.Context, name string) (*Image, error) {
 	if err != nil {
 		return nil, fmt.Errorf("image %s: %w", name, err)
 	}
-	b.log().Info("image ready", "image", name, "elapsed", time.Since(start).Round(time.Millisecond))
+	b.log().Debug("image ready", "image", name, "elapsed", time.Since(start).Round(time.Millisecond))
 	return img, nil
 }
 
 func (b *Builder) buildSpec(ctx context.Context, s Spec) (*Image, error) {
+	// Kernel and initramfs first: they are quick, and a failure there
+	// should not come after minutes of debootstrap.
 	k, err := b.ensureKernel(ctx)
 	if err != nil {
 		return nil, err
 	}
 	img := &Image{Name: s.Name, Kernel: k.vmlinuz(), KernelSHA256: k.manifest.VmlinuzSHA256}
+	if img.Initrd, img.InitrdSHA256, err = b.ensureInitramfs(ctx, k, s.Busybox); err != nil {
+		return nil, err
+	}
 	if s.Rootfs == nil {
-		img.Initrd, img.InitrdSHA256, err = b.ensureInitramfs(ctx, k, s.Busybox)
-		return img, err
+		return img, nil
 	}
 	rf, err := b.ensureDebootstrapRootfs(ctx, *s.Rootfs)
 	if err != nil {
-		return nil, err
-	}
-	if img.Initrd, img.InitrdSHA256, err = b.ensureInitramfs(ctx, k, s.Busybox); err != nil {
 		return nil, err
 	}
 	img.Rootfs, img.RootfsSHA256 = rf.image(), rf.info.SHA256

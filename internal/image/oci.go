@@ -7,10 +7,13 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"runtime"
 	"slices"
 	"sort"
 	"strings"
 	"time"
+
+	v1 "github.com/google/go-containerregistry/pkg/v1"
 
 	"github.com/forkd/forkd/internal/errdefs"
 	"github.com/forkd/forkd/internal/image/deb"
@@ -94,7 +97,18 @@ func (b *Builder) FromOCI(ctx context.Context, ref string, o OCIOptions) (*Image
 		return nil, errdefs.FailedPrecondition("importing an image needs root (file ownership)")
 	}
 	start := time.Now()
-	src, err := oci.Open(ctx, ref, oci.OpenOptions{Insecure: o.Insecure})
+	src, err := oci.Open(ctx, ref, oci.OpenOptions{Insecure: o.Insecure,
+		Platform: v1.Platform{OS: "linux", Architecture: runtime.GOARCH}})
+	if err != nil {
+		return nil, err
+	}
+	// Kernel and initramfs first, so that no failure after the (long)
+	// import leaves an unused root filesystem in the cache.
+	k, err := b.ensureKernel(ctx)
+	if err != nil {
+		return nil, err
+	}
+	initrd, initrdSHA, err := b.ensureInitramfs(ctx, k, false)
 	if err != nil {
 		return nil, err
 	}
@@ -132,10 +146,7 @@ func (b *Builder) FromOCI(ctx context.Context, ref string, o OCIOptions) (*Image
 		Format: recordFormat, Name: o.Tag, Ref: ref, Digest: src.Digest.String(), RootfsKey: key,
 		Extra: extra, Python: rf.info.Python, Preload: slices.Clone(o.Preload), Created: time.Now().UTC(),
 	}
-	img, err := b.assemble(ctx, &rec, rf)
-	if err != nil {
-		return nil, err
-	}
+	img := assemble(&rec, rf, k, initrd, initrdSHA)
 	data, err := json.MarshalIndent(rec, "", "  ")
 	if err != nil {
 		return nil, err
@@ -176,23 +187,24 @@ func (b *Builder) loadImported(ctx context.Context, name string) (*Image, error)
 	if err != nil {
 		return nil, errdefs.NotFound("image %s: root filesystem gone from the cache (%v); import it again", name, err)
 	}
-	return b.assemble(ctx, &rec, &rootfsEntry{dir: dir, info: info})
-}
-
-// assemble completes an imported image with the current kernel and its
-// initramfs.
-func (b *Builder) assemble(ctx context.Context, rec *record, rf *rootfsEntry) (*Image, error) {
 	k, err := b.ensureKernel(ctx)
 	if err != nil {
 		return nil, err
 	}
-	img := &Image{
-		Name: rec.Name, Kernel: k.vmlinuz(), KernelSHA256: k.manifest.VmlinuzSHA256,
-		Rootfs: rf.image(), RootfsSHA256: rf.info.SHA256, Python: rec.Python, Preload: slices.Clone(rec.Preload),
-	}
-	if img.Initrd, img.InitrdSHA256, err = b.ensureInitramfs(ctx, k, false); err != nil {
+	initrd, initrdSHA, err := b.ensureInitramfs(ctx, k, false)
+	if err != nil {
 		return nil, err
 	}
+	return assemble(&rec, &rootfsEntry{dir: dir, info: info}, k, initrd, initrdSHA), nil
+}
+
+// assemble makes the image of an imported root filesystem.
+func assemble(rec *record, rf *rootfsEntry, k *kernelEntry, initrd, initrdSHA string) *Image {
+	img := &Image{
+		Name: rec.Name, Kernel: k.vmlinuz(), KernelSHA256: k.manifest.VmlinuzSHA256,
+		Initrd: initrd, InitrdSHA256: initrdSHA,
+		Rootfs: rf.image(), RootfsSHA256: rf.info.SHA256, Python: rec.Python, Preload: slices.Clone(rec.Preload),
+	}
 	img.Cmdline = rootCmdline(img.Python, img.Preload)
-	return img, nil
+	return img
 }

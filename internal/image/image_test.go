@@ -221,6 +221,9 @@ func TestEnsureDir(t *testing.T) {
 			defer wg.Done()
 			d, err := b.ensureDir(ctx, "thing", "k2", ok, func(ctx context.Context, staging string) error {
 				builds.Add(1)
+				if fi, err := os.Stat(staging); err != nil || fi.Mode().Perm() != 0o700 {
+					t.Errorf("staging %v while built, want 0700 (%v)", fi.Mode(), err)
+				}
 				return os.WriteFile(filepath.Join(staging, "done"), nil, 0o644)
 			})
 			if err != nil {
@@ -237,6 +240,9 @@ func TestEnsureDir(t *testing.T) {
 		if d != filepath.Join(b.CacheDir, "thing", "k2") {
 			t.Errorf("dir %s", d)
 		}
+	}
+	if fi, err := os.Stat(dirs[0]); err != nil || fi.Mode().Perm() != 0o755 {
+		t.Errorf("entry %v, want 0755 (%v)", fi.Mode(), err)
 	}
 
 	// An invalid entry is rebuilt and replaced; a stale staging dir goes.

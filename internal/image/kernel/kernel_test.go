@@ -6,6 +6,7 @@ import (
 	"context"
 	"encoding/binary"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -313,5 +314,73 @@ func TestFetch(t *testing.T) {
 	os.Remove(filepath.Join(dir, "modules", m.Modules[0]))
 	if _, err := ReadManifest(dir); !errdefs.IsNotFound(err) {
 		t.Errorf("manifest with a missing module: %v", err)
+	}
+}
+
+// buildDeb makes a .deb named pkg from the files (path -> content).
+func buildDeb(t *testing.T, pkg, version string, depends string, files map[string][]byte) string {
+	t.Helper()
+	testutil.RequireCommand(t, "dpkg-deb")
+	root := filepath.Join(t.TempDir(), pkg)
+	os.MkdirAll(filepath.Join(root, "DEBIAN"), 0o755)
+	control := "Package: " + pkg + "\nVersion: " + version + "\nArchitecture: amd64\nMaintainer: t <t@example.com>\nDescription: test\n"
+	if depends != "" {
+		control += "Depends: " + depends + "\n"
+	}
+	os.WriteFile(filepath.Join(root, "DEBIAN", "control"), []byte(control), 0o644)
+	for p, data := range files {
+		os.MkdirAll(filepath.Dir(filepath.Join(root, p)), 0o755)
+		if err := os.WriteFile(filepath.Join(root, p), data, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	out := root + ".deb"
+	if b, err := exec.Command("dpkg-deb", "--root-owner-group", "-Zgzip", "--build", root, out).CombinedOutput(); err != nil {
+		t.Fatalf("dpkg-deb --build: %v\n%s", err, b)
+	}
+	return out
+}
+
+// TestFetchUbuntuLayout fetches offline from an Ubuntu-style pair of
+// packages: the image package holds only vmlinuz, the modules package
+// holds zstd-compressed modules; some of the wanted modules are built in.
+func TestFetchUbuntuLayout(t *testing.T) {
+	const rel = "6.8.0-40-kvm"
+	mod := func(deps string) []byte { return compress(t, ".ko.zst", fakeModule("depends="+deps)) }
+	img := buildDeb(t, "linux-image-"+rel, "6.8.0-40.40", "linux-modules-"+rel, map[string][]byte{
+		"boot/vmlinuz-" + rel: []byte("not really a kernel"),
+		"boot/config-" + rel:  []byte("CONFIG_VIRTIO=y\n"),
+	})
+	kdir := "lib/modules/" + rel + "/"
+	mods := buildDeb(t, "linux-modules-"+rel, "6.8.0-40.40", "", map[string][]byte{
+		kdir + "kernel/fs/overlayfs/overlay.ko.zst":                            mod(""),
+		kdir + "kernel/net/vmw_vsock/vsock.ko.zst":                             mod(""),
+		kdir + "kernel/net/vmw_vsock/vmw_vsock_virtio_transport_common.ko.zst": mod("vsock"),
+		kdir + "kernel/net/vmw_vsock/vmw_vsock_virtio_transport.ko.zst":        mod("vmw_vsock_virtio_transport_common,vsock"),
+		kdir + "modules.builtin": []byte("kernel/drivers/virtio/virtio.ko\nkernel/drivers/virtio/virtio_ring.ko\n" +
+			"kernel/drivers/block/virtio_blk.ko\nkernel/drivers/net/virtio_net.ko\nkernel/drivers/char/virtio_console.ko\n" +
+			"kernel/drivers/virtio/virtio_pci.ko\nkernel/drivers/virtio/virtio_mmio.ko\nkernel/fs/ext4/ext4.ko\n" +
+			"kernel/drivers/char/hw_random/virtio-rng.ko\n"),
+	})
+	src := Source{Debs: []string{img, mods}}
+	pkg, err := src.Resolve(context.Background())
+	if err != nil || pkg.Name != "linux-image-"+rel {
+		t.Fatalf("resolve: %+v %v", pkg, err)
+	}
+	dir := t.TempDir()
+	m, err := Fetch(context.Background(), src, pkg, dir, DefaultModules)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []string{"overlay.ko.zst", "vsock.ko.zst", "vmw_vsock_virtio_transport_common.ko.zst", "vmw_vsock_virtio_transport.ko.zst"}
+	if !slices.Equal(m.Modules, want) || m.Release != rel {
+		t.Errorf("manifest %+v, want modules %v", m, want)
+	}
+	if _, err := ReadManifest(dir); err != nil {
+		t.Error(err)
+	}
+	// Without the modules package the module tree is missing.
+	if _, err := Fetch(context.Background(), Source{Debs: []string{img}}, pkg, t.TempDir(), DefaultModules); !errdefs.IsNotFound(err) {
+		t.Errorf("no modules package: %v", err)
 	}
 }

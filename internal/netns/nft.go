@@ -3,6 +3,7 @@ package netns
 import (
 	"encoding/binary"
 	"net/netip"
+	"sync"
 
 	"github.com/google/nftables"
 	"github.com/google/nftables/binaryutil"
@@ -256,6 +257,16 @@ func hostTable(prefix string) *nftables.Table {
 	return &nftables.Table{Name: prefix, Family: nftables.TableFamilyIPv4}
 }
 
+// setIDMu serialises Conn.AddSet: the library numbers sets from an
+// unsynchronised package-level counter.
+var setIDMu sync.Mutex
+
+func addSet(c *nftables.Conn, s *nftables.Set) error {
+	setIDMu.Lock()
+	defer setIDMu.Unlock()
+	return c.AddSet(s, nil)
+}
+
 func pubSets(t *nftables.Table, proto string) (addrs, ports *nftables.Set) {
 	addrs = &nftables.Set{Table: t, Name: addrMap(proto), IsMap: true,
 		KeyType: nftables.TypeInetService, DataType: nftables.TypeIPAddr}
@@ -286,10 +297,10 @@ func addHostTable(c *nftables.Conn, prefix string, network netip.Prefix) error {
 
 	for _, proto := range protos {
 		addrs, ports := pubSets(t, proto)
-		if err := c.AddSet(addrs, nil); err != nil {
+		if err := addSet(c, addrs); err != nil {
 			return err
 		}
-		if err := c.AddSet(ports, nil); err != nil {
+		if err := addSet(c, ports); err != nil {
 			return err
 		}
 		// fib daddr type local meta l4proto P

@@ -93,18 +93,7 @@ func applyEntry(t *rootfs.Tree, tr *tar.Reader, hdr *tar.Header, name string, cr
 		if err := t.MkdirAll(dir, 0o755); err != nil {
 			return err
 		}
-		names, err := t.ReadDirNames(dir)
-		if err != nil {
-			return err
-		}
-		for _, n := range names {
-			if p := path.Join(dir, n); !created[p] {
-				if err := t.RemoveAll(p); err != nil {
-					return err
-				}
-			}
-		}
-		return nil
+		return pruneLower(t, dir, created)
 	}
 	if strings.HasPrefix(base, whiteoutPrefix) {
 		victim := strings.TrimPrefix(base, whiteoutPrefix)
@@ -170,7 +159,7 @@ func applyEntry(t *rootfs.Tree, tr *tar.Reader, hdr *tar.Header, name string, cr
 		if err := t.Link(target, name); err != nil {
 			return err
 		}
-		created[name] = true
+		markCreated(created, name)
 		return nil // a hard link shares its target's metadata
 	case tar.TypeChar, tar.TypeBlock, tar.TypeFifo:
 		kind := map[byte]uint32{tar.TypeChar: unix.S_IFCHR, tar.TypeBlock: unix.S_IFBLK, tar.TypeFifo: unix.S_IFIFO}[hdr.Typeflag]
@@ -186,7 +175,7 @@ func applyEntry(t *rootfs.Tree, tr *tar.Reader, hdr *tar.Header, name string, cr
 	default:
 		return errdefs.InvalidArgument("layer entry %q: unsupported tar type %q", hdr.Name, hdr.Typeflag)
 	}
-	created[name] = true
+	markCreated(created, name)
 
 	// Metadata: owner first (chown clears setuid), then mode, xattrs, times.
 	if o.Ownership {
@@ -221,6 +210,42 @@ func applyEntry(t *rootfs.Tree, tr *tar.Reader, hdr *tar.Header, name string, cr
 		atime = mtime
 	}
 	return t.Lchtimes(name, atime, mtime)
+}
+
+// pruneLower removes from dir everything lower layers put there: entries
+// this layer did not create go, directories it did are pruned in turn.
+func pruneLower(t *rootfs.Tree, dir string, created map[string]bool) error {
+	names, err := t.ReadDirNames(dir)
+	if err != nil {
+		return err
+	}
+	for _, n := range names {
+		p := path.Join(dir, n)
+		if !created[p] {
+			if err := t.RemoveAll(p); err != nil {
+				return err
+			}
+			continue
+		}
+		st, err := t.Lstat(p)
+		if err != nil {
+			return err
+		}
+		if st.Mode&unix.S_IFMT == unix.S_IFDIR {
+			if err := pruneLower(t, p, created); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+// markCreated records that this layer put name in place, and with it its
+// parents, so an opaque whiteout later in the layer keeps them.
+func markCreated(created map[string]bool, name string) {
+	for p := name; p != "." && p != "/" && p != ""; p = path.Dir(p) {
+		created[p] = true
+	}
 }
 
 func malformed(err error) error {

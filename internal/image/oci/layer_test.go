@@ -291,3 +291,21 @@ func TestMalformedLayer(t *testing.T) {
 		}
 	}
 }
+
+// TestOpaqueKeepsImplicitParents: entries of a layer without their parent
+// directories' own entries survive an opaque whiteout of an ancestor later
+// in the same layer.
+func TestOpaqueKeepsImplicitParents(t *testing.T) {
+	tr, root, _ := newTree(t)
+	if err := apply(t, tr, layerTar(t, ent{name: "a/old", data: "lower"}, ent{name: "a/b/lower", data: "lower"})); err != nil {
+		t.Fatal(err)
+	}
+	if err := apply(t, tr, layerTar(t, ent{name: "a/b/c/new", data: "upper"}, ent{name: "a/.wh..wh..opq"})); err != nil {
+		t.Fatal(err)
+	}
+	// a/b is both lower and (implicitly) this layer's: kept, but not the
+	// lower file in it; a/old goes.
+	if got := listTree(t, root); !slices.Equal(got, []string{"a", "a/b", "a/b/c", "a/b/c/new"}) {
+		t.Errorf("tree %v", got)
+	}
+}

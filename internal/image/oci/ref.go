@@ -65,7 +65,9 @@ type Source struct {
 //
 //   - "oci:PATH", or a directory holding an oci-layout file: an OCI layout;
 //   - "docker-archive:PATH", or a regular file: a `docker save` tarball;
-//   - anything else: a registry reference ("localhost:5000/foo:tag").
+//   - anything else: a registry reference ("localhost:5000/foo:tag"); a
+//     reference that looks like a path (starts with "/", "./", "../", ends
+//     in ".tar") and names no file is errdefs.ErrNotFound.
 //
 // A reference to nothing is errdefs.ErrNotFound; a malformed reference,
 // tarball or layout, or an image for another platform, is
@@ -94,7 +96,8 @@ func Open(ctx context.Context, ref string, o OpenOptions) (*Source, error) {
 			src, err = openLayout(ref, o.Platform)
 		case serr == nil:
 			src, err = openTarball(ref)
-		case strings.HasPrefix(ref, "/") || strings.HasPrefix(ref, "./") || strings.HasPrefix(ref, "../"):
+		case strings.HasPrefix(ref, "/") || strings.HasPrefix(ref, "./") || strings.HasPrefix(ref, "../") ||
+			strings.HasSuffix(ref, ".tar") || strings.HasSuffix(ref, ".tar.gz"):
 			return nil, errdefs.NotFound("image %s: no such file", ref)
 		default:
 			src, err = openRemote(ctx, ref, o)

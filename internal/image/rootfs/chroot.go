@@ -7,6 +7,7 @@ import (
 	"io"
 	"io/fs"
 	"os"
+	"path"
 	"path/filepath"
 	"strings"
 
@@ -159,7 +160,7 @@ func aptProgress(l string) bool {
 // swapFile puts data at name and returns a function that restores what was
 // there before: a file (content and mode), a symlink, or nothing.
 func swapFile(t *Tree, name string, data []byte, perm uint32) (func() error, error) {
-	if err := t.MkdirAll(filepathDir(name), 0o755); err != nil {
+	if err := t.MkdirAll(path.Dir(name), 0o755); err != nil {
 		return nil, err
 	}
 	var restore func() error
@@ -202,13 +203,6 @@ func swapFile(t *Tree, name string, data []byte, perm uint32) (func() error, err
 		return nil, errors.Join(err, restore())
 	}
 	return restore, nil
-}
-
-func filepathDir(name string) string {
-	if d := filepath.Dir(name); d != "" {
-		return d
-	}
-	return "."
 }
 
 func hasAptSources(t *Tree) bool {

@@ -38,6 +38,14 @@ var (
 	agentErr  error
 )
 
+func TestMain(m *testing.M) {
+	code := m.Run()
+	if agentPath != "" {
+		os.RemoveAll(filepath.Dir(agentPath))
+	}
+	os.Exit(code)
+}
+
 // fakeAgent builds testdata/fakeagent, a static stand-in for forkd-agent.
 func fakeAgent(t *testing.T) string {
 	t.Helper()

@@ -171,3 +171,21 @@ func TestParseSignal(t *testing.T) {
 		}
 	}
 }
+
+func TestSyncScanner(t *testing.T) {
+	stream := "hello\x00\x1bforkd-sync-7\x1b\x00world\x00\x1bforkd-sync-8\x1b\x00\x00\x1bforkd-x"
+	// Fed in every possible split, the output and the ids come out whole.
+	for split := 0; split <= len(stream); split++ {
+		var s syncScanner
+		out1, ids1 := s.feed([]byte(stream[:split]))
+		out2, ids2 := s.feed([]byte(stream[split:]))
+		out3, _ := s.feed([]byte(strings.Repeat("-", 30)))
+		got := string(out1) + string(out2) + string(out3)
+		if got != "helloworld\x00\x1bforkd-x"+strings.Repeat("-", 30) {
+			t.Fatalf("split %d: output %q", split, got)
+		}
+		if ids := append(ids1, ids2...); !reflect.DeepEqual(ids, []int64{7, 8}) {
+			t.Fatalf("split %d: ids %v", split, ids)
+		}
+	}
+}

@@ -11,6 +11,8 @@
 #            {"id": N, "t": "out"|"err", "s": "..."}     output of call N
 #            {"id": N, "t": "done", "value": ..., "error": {...},
 #             "interrupted": bool, "truncated": bool}
+# After an eval it writes the marker "\0\x1bforkd-sync-N\x1b\0" to fd 1 and 2,
+# so that the agent knows when it has all of the call's raw output.
 # SIGINT interrupts the running cell with KeyboardInterrupt; outside a cell,
 # or while a reply is being written, it is ignored or deferred, so that the
 # interpreter and the reply stream survive it.
@@ -226,6 +228,13 @@ def main():
             out.flush()
             err.flush()
             _st["call"] = None
+            # Everything written to fd 1 and 2 during the cell (by C code or
+            # child processes) precedes these markers in the pipes.
+            for fd in (1, 2):
+                try:
+                    os.write(fd, b"\x00\x1bforkd-sync-%d\x1b\x00" % cid)
+                except OSError:
+                    pass
             _send(res)
         elif op == "reseed":
             try:

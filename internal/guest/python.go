@@ -2,12 +2,14 @@ package guest
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	_ "embed"
 	"encoding/hex"
 	"encoding/json"
 	"fmt"
 	"os"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -53,6 +55,9 @@ type pyProc struct {
 	dead     chan struct{} // closed once the process is reaped
 	status   exitStatus    // valid once dead is closed
 	startErr error         // valid once readyCh is closed: why it never became ready
+	// synced receives, from the fd 1 and fd 2 pumps, the ids of the sync
+	// markers they pass.
+	synced [2]chan int64
 }
 
 // pyMsg is one reply line of pyserver.py.
@@ -140,7 +145,12 @@ func (in *interp) startLocked() *pyProc {
 	if in.cur != nil && !in.cur.isDead() {
 		return in.cur
 	}
-	p := &pyProc{msgs: make(chan pyMsg, 64), readyCh: make(chan struct{}), dead: make(chan struct{})}
+	p := &pyProc{
+		msgs:    make(chan pyMsg, 64),
+		readyCh: make(chan struct{}),
+		dead:    make(chan struct{}),
+		synced:  [2]chan int64{make(chan int64, 16), make(chan int64, 16)},
+	}
 	in.cur = p
 	err := errdefs.Unavailable("agent is closed")
 	if !in.closed {
@@ -212,17 +222,27 @@ func (in *interp) spawn(p *pyProc) error {
 	}
 	p.pid, p.req = pid, reqW
 	never := make(chan struct{})
-	for _, s := range []struct {
+	for i, s := range []struct {
 		f  *os.File
 		st proto.Stream
 	}{{outR, proto.StreamStdout}, {errR, proto.StreamStderr}} {
 		go func() {
+			var sc syncScanner
 			pump(s.f, never, func(b []byte) error {
-				in.mu.Lock()
-				c := in.call
-				in.mu.Unlock()
-				if c != nil {
-					c.output(s.st, string(b))
+				out, marks := sc.feed(b)
+				if len(out) > 0 {
+					in.mu.Lock()
+					c := in.call
+					in.mu.Unlock()
+					if c != nil {
+						c.output(s.st, string(out))
+					}
+				}
+				for _, id := range marks {
+					select {
+					case p.synced[i] <- id:
+					default:
+					}
 				}
 				return nil
 			})
@@ -421,6 +441,7 @@ func (in *interp) eval(ctx context.Context, r *request, req proto.EvalRequest, s
 			case "err":
 				call.output(proto.StreamStderr, m.S)
 			case "done":
+				in.awaitSync(p, id)
 				res := &proto.EvalResult{Value: m.Value, Error: m.Error, Truncated: m.Truncated}
 				if m.Interrupted && timedOut {
 					res.TimedOut = true
@@ -462,6 +483,90 @@ func (in *interp) eval(ctx context.Context, r *request, req proto.EvalRequest, s
 			})
 		}
 	}
+}
+
+// syncWait bounds how long an eval waits for its raw output to drain.
+const syncWait = 5 * time.Second
+
+// awaitSync waits until both raw output pumps have passed call id's sync
+// marker, so that the call's fd-level output is in its result.
+func (in *interp) awaitSync(p *pyProc, id int64) {
+	t := time.NewTimer(syncWait)
+	defer t.Stop()
+	for _, ch := range p.synced {
+		for done := false; !done; {
+			select {
+			case got := <-ch:
+				done = got >= id
+			case <-p.dead:
+				return
+			case <-t.C:
+				in.a.log.Warn("python output did not drain", "call", id)
+				return
+			}
+		}
+	}
+}
+
+// syncPrefix and syncSuffix frame pyserver.py's sync markers.
+var (
+	syncPrefix = []byte("\x00\x1bforkd-sync-")
+	syncSuffix = []byte("\x1b\x00")
+)
+
+// syncScanner removes sync markers from a byte stream, across chunk
+// boundaries.
+type syncScanner struct {
+	pending []byte // a possible marker start held back from the last chunk
+}
+
+// feed returns b's bytes that are output, and the ids of the markers in b.
+func (s *syncScanner) feed(b []byte) ([]byte, []int64) {
+	data := b
+	if len(s.pending) > 0 {
+		data = append(s.pending, b...)
+		s.pending = nil
+	}
+	var out []byte
+	var ids []int64
+	for len(data) > 0 {
+		i := bytes.Index(data, syncPrefix)
+		if i < 0 {
+			// Hold back a tail that could begin a marker.
+			keep := 0
+			for k := min(len(syncPrefix)-1, len(data)); k > 0; k-- {
+				if bytes.HasPrefix(syncPrefix, data[len(data)-k:]) {
+					keep = k
+					break
+				}
+			}
+			out = append(out, data[:len(data)-keep]...)
+			s.pending = append(s.pending, data[len(data)-keep:]...)
+			break
+		}
+		out = append(out, data[:i]...)
+		rest := data[i+len(syncPrefix):]
+		j := bytes.Index(rest, syncSuffix)
+		if j < 0 {
+			if len(rest) <= 20 {
+				s.pending = append(s.pending, data[i:]...)
+				break
+			}
+			// Not a marker after all.
+			out = append(out, data[i:i+len(syncPrefix)]...)
+			data = rest
+			continue
+		}
+		id, err := strconv.ParseInt(string(rest[:j]), 10, 64)
+		if err != nil {
+			out = append(out, data[i:i+len(syncPrefix)]...)
+			data = rest
+			continue
+		}
+		ids = append(ids, id)
+		data = rest[j+len(syncSuffix):]
+	}
+	return out, ids
 }
 
 // reseed reseeds the interpreter's random and numpy.random from seed. It

@@ -1,0 +1,94 @@
+package cli
+
+import (
+	"fmt"
+	"io"
+	"strings"
+	"time"
+
+	"github.com/spf13/cobra"
+
+	"github.com/forkd/forkd/internal/agent/proto"
+	"github.com/forkd/forkd/internal/errdefs"
+)
+
+func newEvalCmd(g *globals) *cobra.Command {
+	var timeout float64
+	var asJSON bool
+	cmd := &cobra.Command{
+		Use:   "eval ID [--timeout SECS] [-- CODE]",
+		Short: "Run Python in the sandbox's warm interpreter (code from the arguments or stdin)",
+		Args:  cobra.MinimumNArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			code := strings.Join(args[1:], " ")
+			if len(args) == 1 {
+				b, err := io.ReadAll(io.LimitReader(g.stdin, 16<<20))
+				if err != nil {
+					return err
+				}
+				code = string(b)
+			}
+			if strings.TrimSpace(code) == "" {
+				return errdefs.InvalidArgument("no code: give it after -- or on stdin")
+			}
+			if timeout < 0 {
+				return errdefs.InvalidArgument("--timeout %v: must be positive", timeout)
+			}
+			e, err := g.engine()
+			if err != nil {
+				return err
+			}
+			defer e.Close()
+			c, release, err := e.Agent(cmd.Context(), args[0])
+			if err != nil {
+				return err
+			}
+			defer release()
+			req := proto.EvalRequest{Code: code, Timeout: time.Duration(timeout * float64(time.Second))}
+			var res *proto.EvalResult
+			if asJSON {
+				res, err = c.Eval(cmd.Context(), req)
+			} else {
+				res, err = c.EvalStream(cmd.Context(), req, g.stdout, g.stderr)
+			}
+			if err != nil {
+				return err
+			}
+			if asJSON {
+				if err := writeJSON(g.stdout, res); err != nil {
+					return err
+				}
+			} else if res.Value != "" {
+				fmt.Fprintln(g.stdout, res.Value)
+			}
+			return evalExit(g, res, asJSON)
+		},
+	}
+	cmd.Flags().Float64Var(&timeout, "timeout", 0, "interrupt the code after this many seconds (0 = no limit)")
+	cmd.Flags().BoolVar(&asJSON, "json", false, "print the whole result as JSON")
+	return cmd
+}
+
+// evalExit reports a failed eval on stderr and maps it to exit 1.
+func evalExit(g *globals, res *proto.EvalResult, quiet bool) error {
+	if res.Restarted && !quiet {
+		fmt.Fprintln(g.stderr, "forkd: the interpreter was restarted; its state is lost")
+	}
+	switch {
+	case res.TimedOut:
+		if !quiet {
+			fmt.Fprintln(g.stderr, "TimeoutError: eval timed out")
+		}
+		return &exitError{code: 1}
+	case res.Error != nil:
+		if !quiet {
+			if res.Error.Traceback != "" {
+				fmt.Fprint(g.stderr, strings.TrimRight(res.Error.Traceback, "\n")+"\n")
+			} else {
+				fmt.Fprintf(g.stderr, "%s: %s\n", res.Error.Name, res.Error.Message)
+			}
+		}
+		return &exitError{code: 1}
+	}
+	return nil
+}

@@ -90,8 +90,9 @@ type Manager struct {
 	place map[string]*hierarchy
 	// v1 lists every v1 hierarchy used (deduplicated), v2 the v2 one if
 	// used.
-	v1 []*hierarchy
-	v2 *hierarchy
+	v1  []*hierarchy
+	v2  *hierarchy
+	all []*hierarchy // every hierarchy holding us, used or not
 
 	// Test hooks: create and remove a cgroup directory (the kernel
 	// populates and drops the control files; a fake tree must do so).
@@ -121,6 +122,7 @@ func New(opts Options) (*Manager, error) {
 		return nil, err
 	}
 	m := &Manager{
+		all:   hs,
 		opts:  opts,
 		place: map[string]*hierarchy{},
 		mkdir: func(dir string) error { return os.Mkdir(dir, 0o755) },
@@ -170,6 +172,29 @@ func (m *Manager) Layout() map[string]string {
 			v = "v2"
 		}
 		out[kind] = v + " " + filepath.Join(h.own, m.opts.Parent)
+	}
+	return out
+}
+
+// Hierarchy describes a mounted cgroup hierarchy that holds our process.
+type Hierarchy struct {
+	Version int    `json:"version"`
+	Mount   string `json:"mount"`
+	// Controllers are those it carries (v1) or offers us (v2).
+	Controllers []string `json:"controllers"`
+	// Own is our own cgroup's directory in it.
+	Own string `json:"own"`
+}
+
+// Hierarchies lists every cgroup hierarchy found, used or not.
+func (m *Manager) Hierarchies() []Hierarchy {
+	var out []Hierarchy
+	for _, h := range m.all {
+		v := 1
+		if h.v2 {
+			v = 2
+		}
+		out = append(out, Hierarchy{Version: v, Mount: h.mount, Controllers: slices.Clone(h.controllers), Own: h.own})
 	}
 	return out
 }

@@ -798,3 +798,16 @@ func nsInode(t *testing.T, path string) uint64 {
 	}
 	return st.Ino
 }
+
+func TestProbe(t *testing.T) {
+	testutil.RequireRoot(t)
+	dir := t.TempDir()
+	if err := Probe(context.Background(), dir); err != nil {
+		t.Fatal(err)
+	}
+	if ents, _ := os.ReadDir(dir); len(ents) != 0 {
+		t.Fatalf("probe left %v", ents)
+	}
+	// dir was made a shared mount point; undo it for TempDir's cleanup.
+	unix.Unmount(dir, unix.MNT_DETACH)
+}

@@ -21,6 +21,7 @@ import (
 	"io"
 	"log/slog"
 	"net"
+	"strings"
 	"sync"
 	"time"
 
@@ -89,6 +90,8 @@ func Dial(ctx context.Context, conn net.Conn, opts Options) (*Client, error) {
 	// Unblock the reads below when ctx ends.
 	stop := context.AfterFunc(ctx, func() { conn.Close() })
 	acked := make(chan struct{})
+	var ackOnce sync.Once
+	endHello := func() { ackOnce.Do(func() { close(acked) }) }
 	go func() {
 		t := time.NewTicker(helloInterval)
 		defer t.Stop()
@@ -104,7 +107,7 @@ func Dial(ctx context.Context, conn net.Conn, opts Options) (*Client, error) {
 		}
 	}()
 	fail := func(err error) (*Client, error) {
-		close(acked)
+		endHello()
 		stop()
 		conn.Close()
 		if ctx.Err() != nil {
@@ -140,7 +143,7 @@ func Dial(ctx context.Context, conn net.Conn, opts Options) (*Client, error) {
 		c.ack = ack
 		break
 	}
-	close(acked)
+	endHello()
 	if !stop() {
 		return fail(nil) // ctx ended just now and closed conn
 	}
@@ -407,6 +410,30 @@ func (c *Client) Ping(ctx context.Context) (*proto.PingResult, error) {
 		return nil, err
 	}
 	return &res, nil
+}
+
+// WaitReady waits until the agent's warm interpreter, if it has one, has
+// started and preloaded its modules: call it before snapshotting a parent,
+// so that children inherit a warm interpreter. It fails with
+// errdefs.ErrUnavailable when the interpreter could not start.
+func (c *Client) WaitReady(ctx context.Context) error {
+	for {
+		p, err := c.Ping(ctx)
+		if err != nil {
+			return err
+		}
+		switch {
+		case p.Python == "" || p.Python == "ready":
+			return nil
+		case strings.HasPrefix(p.Python, "failed"):
+			return errdefs.Unavailable("agent python: %s", p.Python)
+		}
+		select {
+		case <-ctx.Done():
+			return ctxError("wait ready", ctx.Err())
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
 }
 
 // Init sets the guest's clock, adds entropy to its RNG (and reseeds the warm

@@ -192,3 +192,21 @@ func TestEvalMissingInterpreter(t *testing.T) {
 		t.Fatalf("eval with a missing interpreter = %v", err)
 	}
 }
+
+func TestWaitReady(t *testing.T) {
+	ctx := testCtx(t)
+	c := evalGuest(t)
+	if err := c.WaitReady(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if p, err := c.Ping(ctx); err != nil || !p.PythonReady || p.Python != "ready" || !contains(p.Features, proto.FeatureEval) {
+		t.Fatalf("ping after WaitReady: %+v, %v", p, err)
+	}
+	if err := startGuest(t, guest.Config{}).dial().WaitReady(ctx); err != nil {
+		t.Fatalf("WaitReady without python: %v", err)
+	}
+	err := startGuest(t, guest.Config{Python: "/no/such/python3"}).dial().WaitReady(ctx)
+	if !errdefs.IsUnavailable(err) || !strings.Contains(err.Error(), "failed") {
+		t.Fatalf("WaitReady with a missing interpreter: %v", err)
+	}
+}

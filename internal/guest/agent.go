@@ -496,5 +496,6 @@ func (a *Agent) ping(ctx context.Context, r *request, _ json.RawMessage) (any, e
 		Hostname:        host,
 		Features:        a.features(),
 		PythonReady:     a.py != nil && a.py.ready(),
+		Python:          a.py.state(),
 	}, nil
 }

@@ -130,6 +130,32 @@ func (in *interp) ready() bool {
 	}
 }
 
+// state describes the interpreter for PingResult.Python; "" for a nil
+// interp.
+func (in *interp) state() string {
+	if in == nil {
+		return ""
+	}
+	in.mu.Lock()
+	p := in.cur
+	in.mu.Unlock()
+	if p == nil {
+		return "starting"
+	}
+	select {
+	case <-p.readyCh:
+	default:
+		return "starting"
+	}
+	switch {
+	case p.startErr != nil:
+		return "failed: " + p.startErr.Error()
+	case p.isDead():
+		return "exited"
+	}
+	return "ready"
+}
+
 func (p *pyProc) isDead() bool {
 	select {
 	case <-p.dead:

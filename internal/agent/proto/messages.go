@@ -116,8 +116,13 @@ type PingResult struct {
 	SandboxID       string   `json:"sandbox_id,omitempty"`
 	Hostname        string   `json:"hostname,omitempty"`
 	Features        []string `json:"features,omitempty"`
-	// PythonReady reports whether the warm interpreter is up.
+	// PythonReady reports whether the warm interpreter is up and has
+	// preloaded its modules.
 	PythonReady bool `json:"python_ready,omitempty"`
+	// Python is the interpreter's state: "" (none configured), "starting"
+	// (importing its preload), "ready", "exited" (restarts on the next
+	// eval) or "failed: <reason>".
+	Python string `json:"python,omitempty"`
 }
 
 // InitRequest is sent after first boot and after every restore: set the

@@ -42,8 +42,12 @@ type Limits struct {
 // IOLimit caps IO on the block device Major:Minor; zero fields are not
 // limited.
 type IOLimit struct {
-	Major, Minor                           uint32
-	ReadBps, WriteBps, ReadIOPS, WriteIOPS uint64
+	Major     uint32 `json:"major"`
+	Minor     uint32 `json:"minor"`
+	ReadBps   uint64 `json:"read_bps,omitempty"`
+	WriteBps  uint64 `json:"write_bps,omitempty"`
+	ReadIOPS  uint64 `json:"read_iops,omitempty"`
+	WriteIOPS uint64 `json:"write_iops,omitempty"`
 }
 
 func (l Limits) validate() error {

@@ -289,7 +289,9 @@ func deleteLink(name string) error {
 	return nil
 }
 
-// ensureHost creates or rewrites the host table and turns on forwarding.
+// ensureHost turns on forwarding and creates the host table, or rewrites
+// it when it is not the one this code writes (a chain lost, an older
+// version, another network).
 func (m *Manager) ensureHost() error {
 	m.hostMu.Lock()
 	defer m.hostMu.Unlock()
@@ -298,6 +300,9 @@ func (m *Manager) ensureHost() error {
 	}
 	c, err := nftables.New()
 	if err != nil {
+		return err
+	}
+	if ok, err := hostTableCurrent(c, m.opts.Prefix, m.opts.Network); err != nil || ok {
 		return err
 	}
 	if err := addHostTable(c, m.opts.Prefix, m.opts.Network); err != nil {

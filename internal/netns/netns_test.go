@@ -707,8 +707,24 @@ func TestRealTap(t *testing.T) {
 	if _, err := netlink.LinkByName(TapName); err == nil {
 		t.Fatal("tap0 in the host namespace")
 	}
-	if err := m.Destroy(context.Background(), 7); err != nil {
+	// The host table is rewritten by the next Create when it was lost
+	// (say, to `nft flush ruleset`), and only then.
+	c, _ := nftables.New()
+	if ok, err := hostTableCurrent(c, m.opts.Prefix, m.opts.Network); !ok || err != nil {
+		t.Fatalf("host table not current: %v", err)
+	}
+	c.DelTable(hostTable(m.opts.Prefix))
+	if err := c.Flush(); err != nil {
 		t.Fatal(err)
+	}
+	mustCreate(t, m, 8, DefaultPolicy)
+	if ok, err := hostTableCurrent(c, m.opts.Prefix, m.opts.Network); !ok || err != nil {
+		t.Fatalf("host table not restored: %v", err)
+	}
+	for _, s := range []int{7, 8} {
+		if err := m.Destroy(context.Background(), s); err != nil {
+			t.Fatal(err)
+		}
 	}
 	assertNothingLeft(t, m)
 }

@@ -275,6 +275,25 @@ func pubSets(t *nftables.Table, proto string) (addrs, ports *nftables.Set) {
 	return addrs, ports
 }
 
+// hostTag identifies the content of a host table: a table whose first
+// forward rule carries the tag of the running code needs no rewrite.
+func hostTag(network netip.Prefix) string { return "forkd host table v1 " + network.String() }
+
+// hostTableCurrent reports whether the host table of prefix exists with
+// the content addHostTable writes for network.
+func hostTableCurrent(c *nftables.Conn, prefix string, network netip.Prefix) (bool, error) {
+	ok, err := hostTableExists(c, prefix)
+	if err != nil || !ok {
+		return false, err
+	}
+	t := hostTable(prefix)
+	rules, err := c.GetRules(t, &nftables.Chain{Name: chainForward, Table: t})
+	if err != nil {
+		return false, nil // a chain is missing: rewrite
+	}
+	return len(rules) > 0 && string(rules[0].UserData) == hostTag(network), nil
+}
+
 // addHostTable queues, on c, the host table: created if missing, its base
 // chains flushed and rewritten, its maps (and their elements) kept. The
 // result is the same whether or not the table existed.
@@ -322,8 +341,9 @@ func addHostTable(c *nftables.Conn, prefix string, network netip.Prefix) error {
 	// Children's connections leave the host's uplinks as the host.
 	rule(post, matchAddr(true, network), matchIf(false, linkPrefix, true, true), []expr.Any{&expr.Masq{}})
 
-	// Child to child: never.
-	rule(fwd, matchIf(true, linkPrefix, true, false), matchIf(false, linkPrefix, true, false), []expr.Any{drop()})
+	// Child to child: never. The rule carries the table's version tag.
+	c.AddRule(&nftables.Rule{Table: t, Chain: fwd, UserData: []byte(hostTag(network)),
+		Exprs: cat(matchIf(true, linkPrefix, true, false), matchIf(false, linkPrefix, true, false), []expr.Any{drop()})})
 	// Towards a child: replies, and published ports; nothing else.
 	rule(fwd, matchIf(false, linkPrefix, true, false), matchCtState(establishedOrRelated), []expr.Any{accept()})
 	rule(fwd, matchIf(false, linkPrefix, true, false), matchCtDNAT(), []expr.Any{accept()})

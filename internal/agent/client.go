@@ -438,7 +438,10 @@ func (c *Client) WaitReady(ctx context.Context) error {
 
 // Init sets the guest's clock, adds entropy to its RNG (and reseeds the warm
 // interpreter's random generators) and sets its identity. Send it after
-// first boot and after every restore.
+// first boot and after every restore. It returns once the warm interpreter,
+// if the image has one, has started and preloaded its modules (or failed
+// to), so that a parent snapshotted after its Init carries a warm
+// interpreter.
 func (c *Client) Init(ctx context.Context, req proto.InitRequest) error {
 	return c.do(ctx, proto.OpInit, req, nil)
 }

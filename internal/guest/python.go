@@ -595,6 +595,19 @@ func (s *syncScanner) feed(b []byte) ([]byte, []int64) {
 	return out, ids
 }
 
+// waitStarted starts the interpreter if it is not running and waits until it
+// is ready or has failed, or ctx ends. It does not wait for an eval in
+// progress.
+func (in *interp) waitStarted(ctx context.Context) {
+	in.mu.Lock()
+	p := in.startLocked()
+	in.mu.Unlock()
+	select {
+	case <-p.readyCh:
+	case <-ctx.Done():
+	}
+}
+
 // reseed reseeds the interpreter's random and numpy.random from seed. It
 // runs now when the interpreter is idle and ready, otherwise as soon as it
 // is free.

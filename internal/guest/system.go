@@ -130,8 +130,13 @@ func (a *Agent) init(ctx context.Context, r *request, args json.RawMessage) (any
 		a.hostname = req.Hostname
 	}
 	a.idMu.Unlock()
-	if a.py != nil && len(req.Entropy) > 0 {
-		a.py.reseed(req.Entropy)
+	if a.py != nil {
+		// A parent is snapshotted after its init: its interpreter must be
+		// warm by then.
+		a.py.waitStarted(ctx)
+		if len(req.Entropy) > 0 {
+			a.py.reseed(req.Entropy)
+		}
 	}
 	if len(errs) > 0 {
 		return nil, fmt.Errorf("init: %w", errors.Join(errs...))

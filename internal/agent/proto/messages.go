@@ -126,7 +126,8 @@ type PingResult struct {
 }
 
 // InitRequest is sent after first boot and after every restore: set the
-// clock, add entropy, take an identity. Empty fields are left alone.
+// clock, add entropy, take an identity. Empty fields are left alone. The
+// agent answers once its warm interpreter, if any, is ready (or failed).
 type InitRequest struct {
 	Time      time.Time `json:"time,omitzero"`
 	Entropy   []byte    `json:"entropy,omitempty"`

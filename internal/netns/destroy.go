@@ -43,8 +43,9 @@ func (m *Manager) destroy(slot int) error {
 // Reclaim destroys every slot found on the host (namespace, host link or
 // published port) for which live returns false, then the host table if no
 // slot is left. It is crash recovery: call it at start-up with the slots
-// the caller's persisted state still owns. Errors are joined; Reclaim goes
-// on past a slot it cannot remove.
+// the caller's persisted state still owns, before creating new slots (a
+// slot being created meanwhile is not live to it). Errors are joined;
+// Reclaim goes on past a slot it cannot remove.
 func (m *Manager) Reclaim(ctx context.Context, live func(slot int) bool) error {
 	slots, err := m.List(ctx)
 	if err != nil {

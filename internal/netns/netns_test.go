@@ -216,6 +216,9 @@ func setupWorld(t *testing.T) {
 var lockFile *os.File
 
 func buildWorld() error {
+	if err := os.MkdirAll("/run/lock", 0o755); err != nil {
+		return err
+	}
 	f, err := os.OpenFile("/run/lock/forkd-netns-test.lock", os.O_CREATE|os.O_RDWR, 0o600)
 	if err != nil {
 		return err

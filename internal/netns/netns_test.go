@@ -830,3 +830,79 @@ func TestProbe(t *testing.T) {
 	// dir was made a shared mount point; undo it for TempDir's cleanup.
 	unix.Unmount(dir, unix.MNT_DETACH)
 }
+
+// TestQEMUAttaches starts a real QEMU (paused, no guest) on a slot's tap:
+// once inside the namespace through StartIn, once unprivileged and outside
+// it, handed the tap with OpenTap. Both must attach (the tap's carrier
+// comes up), which checks that the tap's flags suit QEMU.
+func TestQEMUAttaches(t *testing.T) {
+	setupWorld(t)
+	qemu := testutil.RequireCommand(t, "qemu-system-x86_64")
+	t.Parallel()
+	m := testManager(t, "fdte", "10.201.80.0/20", false)
+	n := mustCreate(t, m, 3, DefaultPolicy)
+	ns := must(vnetns.GetFromPath(n.NetNSPath))
+	defer ns.Close()
+	h := must(netlink.NewHandleAt(ns, unix.NETLINK_ROUTE))
+	defer h.Close()
+	carrier := func() bool {
+		l, err := h.LinkByName(TapName)
+		return err == nil && l.Attrs().RawFlags&unix.IFF_LOWER_UP != 0
+	}
+	waitCarrier := func(cmd *exec.Cmd, log *strings.Builder) {
+		t.Helper()
+		for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
+			if carrier() {
+				return
+			}
+			if cmd.ProcessState != nil {
+				break
+			}
+		}
+		t.Fatalf("QEMU never attached to %s; its output: %s", TapName, log.String())
+	}
+	stop := func(cmd *exec.Cmd) {
+		cmd.Process.Kill()
+		cmd.Wait()
+		for deadline := time.Now().Add(5 * time.Second); carrier() && time.Now().Before(deadline); {
+			time.Sleep(10 * time.Millisecond)
+		}
+		if carrier() {
+			t.Fatal("carrier stays up after QEMU exited")
+		}
+	}
+	if carrier() {
+		t.Fatal("tap has a carrier before any VMM attached")
+	}
+	args := []string{"-M", "q35", "-m", "64", "-nodefaults", "-no-user-config", "-display", "none", "-S", "-accel", "tcg",
+		"-device", "virtio-net-pci,netdev=n0,mac=" + GuestMAC}
+
+	var log1 strings.Builder
+	inside := exec.Command(qemu, append(args, "-netdev", "tap,id=n0,ifname="+TapName+",script=no,downscript=no")...)
+	inside.Stdout, inside.Stderr = &log1, &log1
+	if err := StartIn(n.NetNSPath, inside); err != nil {
+		t.Fatal(err)
+	}
+	waitCarrier(inside, &log1)
+	stop(inside)
+
+	tap, err := OpenTap(n.NetNSPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var log2 strings.Builder
+	outside := exec.Command(qemu, append(args, "-netdev", "tap,id=n0,fd=3")...)
+	outside.ExtraFiles = []*os.File{tap}
+	outside.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: 65534, Gid: 65534}}
+	outside.Stdout, outside.Stderr = &log2, &log2
+	if err := outside.Start(); err != nil {
+		t.Fatal(err)
+	}
+	tap.Close()
+	waitCarrier(outside, &log2)
+	time.Sleep(200 * time.Millisecond)
+	if outside.ProcessState != nil || outside.Process.Signal(syscall.Signal(0)) != nil {
+		t.Fatalf("unprivileged QEMU exited: %s", log2.String())
+	}
+	stop(outside)
+}

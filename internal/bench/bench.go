@@ -10,10 +10,12 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
 	"sync"
 	"time"
 
 	"github.com/forkd/forkd/internal/agent"
+	"github.com/forkd/forkd/internal/agent/proto"
 	"github.com/forkd/forkd/internal/image"
 	"github.com/forkd/forkd/internal/sandbox"
 	"github.com/forkd/forkd/internal/vmm"
@@ -60,6 +62,14 @@ type Result struct {
 	ExecRoundtripP50MS float64 `json:"exec_roundtrip_p50_ms"`
 	ExecRoundtrip      Summary `json:"exec_roundtrip"`
 	CLIExecP50MS       float64 `json:"cli_exec_p50_ms,omitempty"`
+
+	// With a Python image, in the same child: eval in the warm interpreter
+	// vs a fresh python3 -c, both computing numpy.zeros(5).tolist().
+	EvalP50MS         float64 `json:"eval_p50_ms,omitempty"`
+	Eval              Summary `json:"eval,omitzero"`
+	ExecPythonP50MS   float64 `json:"exec_python_p50_ms,omitempty"`
+	ExecPython        Summary `json:"exec_python,omitzero"`
+	RatioExecOverEval float64 `json:"ratio_exec_python_over_eval,omitempty"`
 
 	ProcessForkP50MS   float64 `json:"baseline_process_fork_p50_ms"`
 	PythonStartP50MS   float64 `json:"baseline_python_c_p50_ms,omitempty"`
@@ -169,6 +179,13 @@ func Run(ctx context.Context, e *sandbox.Engine, o Options) (*Result, error) {
 		r.CLIExecP50MS = Summarize(timeCommandEnv(ctx, 10, env, o.CLI, "exec", first, "--", "true")).P50
 	}
 
+	if snap.Python != "" {
+		say("eval vs python3 -c")
+		if err := evalVsExec(ctx, e, first, o.ExecRuns, r); err != nil {
+			return nil, err
+		}
+	}
+
 	say("idle CPU over %s", o.IdleFor)
 	time.Sleep(time.Second) // let the exec traffic settle
 	pids := make([]int, 0, len(fr.Children))
@@ -275,6 +292,50 @@ func execRoundTrips(ctx context.Context, e *sandbox.Engine, id string, n int) ([
 		out = append(out, msSince(start))
 	}
 	return out, nil
+}
+
+// evalVsExec times numpy.zeros(5).tolist() by eval in the warm
+// interpreter and by exec of a fresh python3, in one child.
+func evalVsExec(ctx context.Context, e *sandbox.Engine, id string, n int, r *Result) error {
+	c, release, err := e.Agent(ctx, id)
+	if err != nil {
+		return err
+	}
+	defer release()
+	const want = "[0.0, 0.0, 0.0, 0.0, 0.0]"
+	var evals, execs []float64
+	for i := 0; i < n; i++ {
+		start := time.Now()
+		res, err := c.Eval(ctx, proto.EvalRequest{Code: "numpy.zeros(5).tolist()"})
+		if err != nil {
+			return err
+		}
+		if res.Error != nil || res.Value != want {
+			return fmt.Errorf("eval gave %q (%v)", res.Value, res.Error)
+		}
+		evals = append(evals, msSince(start))
+	}
+	for i := 0; i < max(3, n/5); i++ {
+		var out strings.Builder
+		start := time.Now()
+		res, err := c.Exec(ctx, agent.ExecRequest{
+			Args:   []string{"python3", "-c", "import numpy; print(numpy.zeros(5).tolist())"},
+			Stdout: &out,
+		})
+		if err != nil {
+			return err
+		}
+		if res.ExitCode != 0 || strings.TrimSpace(out.String()) != want {
+			return fmt.Errorf("python3 -c gave %q (exit %d)", out.String(), res.ExitCode)
+		}
+		execs = append(execs, msSince(start))
+	}
+	r.Eval, r.ExecPython = Summarize(evals), Summarize(execs)
+	r.EvalP50MS, r.ExecPythonP50MS = r.Eval.P50, r.ExecPython.P50
+	if r.EvalP50MS > 0 {
+		r.RatioExecOverEval = r.ExecPythonP50MS / r.EvalP50MS
+	}
+	return nil
 }
 
 // idleCPU samples the CPU time of pids over d and returns the mean per

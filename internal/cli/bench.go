@@ -77,6 +77,10 @@ func printBench(g *globals, r *bench.Result) {
 	if r.CLIExecP50MS > 0 {
 		row("exec round trip (forkd exec)", ms(r.CLIExecP50MS), "", "")
 	}
+	if r.EvalP50MS > 0 {
+		row("eval numpy.zeros(5).tolist()", ms(r.Eval.P50), ms(r.Eval.P90), "warm interpreter")
+		row("exec python3 -c (same code)", ms(r.ExecPython.P50), ms(r.ExecPython.P90), fmt.Sprintf("%.0f× slower", r.RatioExecOverEval))
+	}
 	row("baseline: fork+exec true", ms(r.ProcessForkP50MS), "", "")
 	if r.PythonStartP50MS > 0 {
 		row("baseline: python3 -c pass", ms(r.PythonStartP50MS), "", "")

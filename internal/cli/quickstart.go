@@ -14,6 +14,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/forkd/forkd/internal/agent"
+	"github.com/forkd/forkd/internal/agent/proto"
 	"github.com/forkd/forkd/internal/errdefs"
 	"github.com/forkd/forkd/internal/sandbox"
 	"github.com/forkd/forkd/internal/snapshot"
@@ -78,7 +79,7 @@ func newQuickstartCmd(g *globals) *cobra.Command {
 	f := cmd.Flags()
 	f.IntVarP(&n, "n", "n", 10, "children to fork")
 	f.BoolVarP(&yes, "yes", "y", false, "install missing host packages without asking")
-	f.StringVar(&img, "image", "minimal", "image to snapshot")
+	f.StringVar(&img, "image", "python", "image to snapshot (python: Debian + numpy; minimal: busybox only)")
 	f.StringVar(&tag, "tag", "quickstart", "snapshot tag to create or reuse")
 	return cmd
 }
@@ -137,6 +138,10 @@ func quickstart(ctx context.Context, g *globals, n int, yes bool, img, tag strin
 		return err
 	}
 	say("%d children ready in %.0f ms; running a command in each", n, res.WallMS)
+	snap, err = e.Snapshots().Get(tag)
+	if err != nil {
+		return err
+	}
 	outs := make([]string, n)
 	errs := make([]error, n)
 	var wg sync.WaitGroup
@@ -144,7 +149,7 @@ func quickstart(ctx context.Context, g *globals, n int, yes bool, img, tag strin
 		wg.Add(1)
 		go func(i int, id string) {
 			defer wg.Done()
-			outs[i], errs[i] = runIn(ctx, e, id)
+			outs[i], errs[i] = runIn(ctx, e, id, snap.Python != "")
 		}(i, c.ID)
 	}
 	wg.Wait()
@@ -162,13 +167,29 @@ func quickstart(ctx context.Context, g *globals, n int, yes bool, img, tag strin
 	return nil
 }
 
-// runIn runs quickstart's command in one child and returns its output.
-func runIn(ctx context.Context, e *sandbox.Engine, id string) (string, error) {
+// quickstartEval is what quickstart evaluates in each child of a Python
+// image: numpy is already imported in the warm interpreter.
+const quickstartEval = "numpy.zeros(5).sum()"
+
+// runIn runs quickstart's command in one child and returns its output: an
+// eval in the warm interpreter when the image has Python, else a shell
+// command.
+func runIn(ctx context.Context, e *sandbox.Engine, id string, python bool) (string, error) {
 	c, release, err := e.Agent(ctx, id)
 	if err != nil {
 		return "", err
 	}
 	defer release()
+	if python {
+		res, err := c.Eval(ctx, proto.EvalRequest{Code: quickstartEval, Timeout: time.Minute})
+		if err != nil {
+			return "", err
+		}
+		if res.Error != nil {
+			return "", fmt.Errorf("eval: %s: %s", res.Error.Name, res.Error.Message)
+		}
+		return fmt.Sprintf("eval %s -> %s (%d ms)", quickstartEval, res.Value, res.DurationMS), nil
+	}
 	var out strings.Builder
 	res, err := c.Exec(ctx, agent.ExecRequest{
 		Shell:   `echo "hello from $(hostname), kernel $(uname -r), up $(cut -d' ' -f1 /proc/uptime)s"`,

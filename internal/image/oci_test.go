@@ -4,11 +4,8 @@ import (
 	"archive/tar"
 	"bytes"
 	"context"
-	"fmt"
 	"io"
-	"net"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"reflect"
 	"slices"
@@ -132,54 +129,6 @@ func busyboxImage(t *testing.T) v1.Image {
 	return imageOf(t, layerOf(t, tarBytes(t, l1)), layerOf(t, tarBytes(t, l2)))
 }
 
-// startRegistry runs Debian's docker-registry on a free loopback port with
-// storage in a temporary directory, and returns its host:port.
-func startRegistry(t *testing.T) string {
-	t.Helper()
-	bin := testutil.RequireCommand(t, "docker-registry")
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	addr := l.Addr().String()
-	l.Close()
-	dir := t.TempDir()
-	cfg := filepath.Join(dir, "config.yml")
-	os.WriteFile(cfg, []byte(fmt.Sprintf(`version: 0.1
-log:
-  level: error
-storage:
-  filesystem:
-    rootdirectory: %s
-  delete:
-    enabled: true
-http:
-  addr: %s
-`, filepath.Join(dir, "storage"), addr)), 0o644)
-	cmd := exec.Command(bin, "serve", cfg)
-	var logBuf bytes.Buffer
-	cmd.Stdout, cmd.Stderr = &logBuf, &logBuf
-	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		cmd.Process.Kill()
-		cmd.Wait()
-	})
-	for i := 0; ; i++ {
-		c, err := net.DialTimeout("tcp", addr, time.Second)
-		if err == nil {
-			c.Close()
-			return addr
-		}
-		if i > 100 {
-			t.Fatalf("registry on %s did not start: %v\n%s", addr, err, logBuf.String())
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
-}
-
 func push(t *testing.T, img v1.Image, ref string) {
 	t.Helper()
 	r, err := name.ParseReference(ref)
@@ -247,7 +196,7 @@ func assertNoMounts(t *testing.T, dir string) {
 
 func TestFromOCI(t *testing.T) {
 	requireImport(t)
-	addr := startRegistry(t)
+	addr := testutil.StartRegistry(t)
 	cache := t.TempDir() // imports are cheap: a fresh cache, but the kernel comes from apt
 	if d := os.Getenv("FORKD_TEST_CACHE"); d != "" {
 		// Share the kernel download with the other tests.
@@ -355,7 +304,7 @@ func checkBusyboxRootfs(t *testing.T, image string) {
 
 func TestFromOCIErrors(t *testing.T) {
 	requireImport(t)
-	addr := startRegistry(t)
+	addr := testutil.StartRegistry(t)
 	cache := testCacheDir(t)
 	b := newBuilder(t, cache)
 	ctx := context.Background()

@@ -170,10 +170,26 @@ func (c *Client) Err() error {
 	return c.err
 }
 
-// Close closes the connection and fails all pending calls. The guest
-// cancels this session's foreground requests only when the next session
-// starts, since it cannot see the disconnect.
+// Close cancels pending calls in the guest (best effort), closes the
+// connection and fails the calls. Had the connection broken instead, the
+// guest would cancel this session's foreground requests only when the next
+// session starts, since it cannot see a disconnect.
 func (c *Client) Close() error {
+	c.mu.Lock()
+	pending := make([]uint32, 0, len(c.calls))
+	for id := range c.calls {
+		pending = append(pending, id)
+	}
+	stopped := c.err != nil
+	c.mu.Unlock()
+	if !stopped {
+		c.conn.SetWriteDeadline(time.Now().Add(time.Second))
+		for _, id := range pending {
+			if c.w.WriteFrame(proto.Frame{Type: proto.TypeCancel, ID: id}) != nil {
+				break
+			}
+		}
+	}
 	c.stop(errdefs.Unavailable("agent client closed"))
 	return nil
 }

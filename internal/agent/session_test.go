@@ -262,7 +262,15 @@ func TestClosedClientFailsAtOnce(t *testing.T) {
 		_, err := c.Exec(ctx, agent.ExecRequest{Args: []string{"sleep", "30"}})
 		errc <- err
 	}()
-	time.Sleep(100 * time.Millisecond)
+	pid := 0
+	for deadline := time.Now().Add(10 * time.Second); pid == 0; time.Sleep(10 * time.Millisecond) {
+		if ps, _ := c.Processes(ctx); len(ps) == 1 {
+			pid = ps[0].PID
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the process never showed up")
+		}
+	}
 	start := time.Now()
 	c.Close()
 	select {
@@ -279,6 +287,9 @@ func TestClosedClientFailsAtOnce(t *testing.T) {
 	if _, err := c.Ping(ctx); !errdefs.IsUnavailable(err) {
 		t.Fatalf("Ping after Close = %v", err)
 	}
+	// Close cancelled the call in the guest: its process is gone although
+	// no new session started.
+	waitGone(t, pid, 10*time.Second)
 	select {
 	case <-c.Done():
 	default:

@@ -49,7 +49,8 @@ type Config struct {
 	Python string
 	// Preload lists modules the interpreter imports at start.
 	Preload []string
-	// PythonDir is the interpreter's working directory ("/" when empty).
+	// PythonDir is the interpreter's working directory (the agent user's
+	// home, or /, when empty).
 	PythonDir string
 	// EvalGrace is how long an interrupted eval may take to stop before the
 	// interpreter is killed and restarted (3 s when zero).
@@ -100,9 +101,6 @@ func New(cfg Config) *Agent {
 	}
 	if cfg.Root == "" {
 		cfg.Root = "/"
-	}
-	if cfg.PythonDir == "" {
-		cfg.PythonDir = "/"
 	}
 	log := cfg.Logger
 	if log == nil {

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/forkd/forkd/internal/agent"
+	"github.com/forkd/forkd/internal/agent/proto"
 	"github.com/forkd/forkd/internal/guest"
 	"golang.org/x/sys/unix"
 )
@@ -54,6 +55,12 @@ func TestServeOnPTY(t *testing.T) {
 	defer a.Close()
 	go a.Serve(context.Background(), console)
 
+	// A host died in the middle of a large frame: the agent must give it up
+	// after its partial timeout, which needs read deadlines on the tty.
+	torn, _ := proto.AppendFrame(nil, proto.Frame{Type: proto.TypeRequest, ID: 1, Payload: bytes.Repeat([]byte{'x'}, 60000)})
+	if _, err := master.Write(torn[:100]); err != nil {
+		t.Fatal(err)
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	c, err := agent.Dial(ctx, fileConn{master}, agent.Options{})

@@ -38,7 +38,8 @@ type Config struct {
 	AgentPath string
 	// CacheDir holds built images (default <DataDir>/cache).
 	CacheDir string
-	// MaxParallel bounds concurrent restores (default 2 × CPU count).
+	// MaxParallel bounds concurrent restores across all of the engine's
+	// forks (default 2 × CPU count).
 	MaxParallel int
 	// MaxChildren bounds one fork request (default 1000).
 	MaxChildren int
@@ -57,6 +58,8 @@ type Engine struct {
 	state  *state.Store
 	images *image.Builder
 	runDir string
+
+	restores chan struct{} // one token per restore in progress
 
 	mu    sync.Mutex               // guards conns
 	conns map[string]*agent.Client // daemon mode: one agent session per sandbox
@@ -101,12 +104,13 @@ func New(cfg Config) (*Engine, error) {
 		return nil, err
 	}
 	e := &Engine{
-		cfg:    cfg,
-		log:    cfg.Logger,
-		snaps:  snaps,
-		state:  st,
-		runDir: runDir,
-		conns:  map[string]*agent.Client{},
+		cfg:      cfg,
+		log:      cfg.Logger,
+		snaps:    snaps,
+		state:    st,
+		runDir:   runDir,
+		restores: make(chan struct{}, cfg.MaxParallel),
+		conns:    map[string]*agent.Client{},
 		images: &image.Builder{
 			CacheDir:  cfg.CacheDir,
 			AgentPath: cfg.AgentPath,

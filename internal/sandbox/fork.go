@@ -2,6 +2,7 @@ package sandbox
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"os"
@@ -25,6 +26,14 @@ type ForkSpec struct {
 	// KeepPartial keeps the children that came up when others failed;
 	// by default a batch is all or nothing.
 	KeepPartial bool
+	// IDs, when set, are the children's ids (len N, each valid and
+	// unused), so a caller can reserve them before the batch starts.
+	IDs []string
+	// Timeout, when positive, sets each child's ExpiresAt that long after
+	// it became ready (an Expirer kills it then).
+	Timeout time.Duration
+	// Extra is recorded with each child (state.Sandbox.Extra).
+	Extra map[string]json.RawMessage
 }
 
 // Child is the fate of one child of a batch.
@@ -55,6 +64,14 @@ func (e *Engine) Fork(ctx context.Context, spec ForkSpec) (*ForkResult, error) {
 	if err := validateMetadata(spec.Metadata); err != nil {
 		return nil, err
 	}
+	if spec.IDs != nil && len(spec.IDs) != spec.N {
+		return nil, errdefs.InvalidArgument("%d ids for %d children", len(spec.IDs), spec.N)
+	}
+	for _, id := range spec.IDs {
+		if err := ValidateID(id); err != nil {
+			return nil, err
+		}
+	}
 	if spec.ReadyTimeout == 0 {
 		spec.ReadyTimeout = 2 * time.Minute
 	}
@@ -70,20 +87,23 @@ func (e *Engine) Fork(ctx context.Context, spec ForkSpec) (*ForkResult, error) {
 	}
 	start := time.Now()
 	res := &ForkResult{Children: make([]Child, spec.N)}
-	sem := make(chan struct{}, e.cfg.MaxParallel)
 	var wg sync.WaitGroup
 	for i := range res.Children {
+		id := newID()
+		if spec.IDs != nil {
+			id = spec.IDs[i]
+		}
 		wg.Add(1)
 		go func(c *Child) {
 			defer wg.Done()
 			select {
-			case sem <- struct{}{}:
+			case e.restores <- struct{}{}:
 			case <-ctx.Done():
-				c.Err = ctx.Err()
+				c.ID, c.Err = id, ctx.Err()
 				return
 			}
-			defer func() { <-sem }()
-			*c = e.forkOne(ctx, snap, spec)
+			defer func() { <-e.restores }()
+			*c = e.forkOne(ctx, snap, spec, id)
 		}(&res.Children[i])
 	}
 	wg.Wait()
@@ -116,9 +136,8 @@ func (e *Engine) Fork(ctx context.Context, spec ForkSpec) (*ForkResult, error) {
 }
 
 // forkOne restores one child and waits for its agent.
-func (e *Engine) forkOne(ctx context.Context, snap *snapshot.Snapshot, spec ForkSpec) (c Child) {
+func (e *Engine) forkOne(ctx context.Context, snap *snapshot.Snapshot, spec ForkSpec, id string) (c Child) {
 	start := time.Now()
-	id := newID()
 	c.ID = id
 	sb := &state.Sandbox{
 		ID:       id,
@@ -127,6 +146,7 @@ func (e *Engine) forkOne(ctx context.Context, snap *snapshot.Snapshot, spec Fork
 		Handle:   vmm.Handle{Backend: e.cfg.Backend.Name(), RunDir: filepath.Join(e.runDir, id)},
 		Created:  time.Now().UTC(),
 		Metadata: spec.Metadata,
+		Extra:    spec.Extra,
 	}
 	if err := e.state.Put(sb); err != nil {
 		c.Err = err
@@ -177,6 +197,9 @@ func (e *Engine) forkOne(ctx context.Context, snap *snapshot.Snapshot, spec Fork
 	c.ReadyMS = msSince(start)
 	sb.Status = state.StatusRunning
 	sb.ReadyMS = int64(c.ReadyMS)
+	if spec.Timeout > 0 {
+		sb.ExpiresAt = time.Now().Add(spec.Timeout).UTC()
+	}
 	if err := e.state.Put(sb); err != nil {
 		client.Close()
 		return fail(err)

@@ -1,0 +1,356 @@
+// Package v1 holds the wire types of forkd's REST API v1: what `forkd
+// serve` accepts and returns, and what package client sends and decodes.
+// Only types and their documentation live here, no logic.
+//
+// Conventions: JSON field names are snake_case; times are RFC 3339 in UTC;
+// durations are seconds (fields ending in _secs) or milliseconds (_ms).
+// Every error is an ErrorResponse with a stable Error.Code (see the Code*
+// constants) and the HTTP status that goes with it. Responses only gain
+// fields; requests are decoded strictly (an unknown field is an error).
+package v1
+
+import "time"
+
+// Version is this API's version, the path prefix of its routes.
+const Version = "v1"
+
+// Error codes. They name the errdefs classes and never change.
+const (
+	CodeNotFound           = "not_found"           // 404
+	CodeAlreadyExists      = "already_exists"      // 409
+	CodeInvalidArgument    = "invalid_argument"    // 400 (413 for a body over the limit)
+	CodeFailedPrecondition = "failed_precondition" // 409
+	CodeResourceExhausted  = "resource_exhausted"  // 429
+	CodeUnavailable        = "unavailable"         // 503
+	CodeNotImplemented     = "not_implemented"     // 501
+	CodeUnauthenticated    = "unauthenticated"     // 401
+	CodeDeadlineExceeded   = "deadline_exceeded"   // 504
+	CodeInternal           = "internal"            // 500
+)
+
+// ErrorResponse is the body of every response with a 4xx or 5xx status.
+type ErrorResponse struct {
+	Error Error `json:"error"`
+}
+
+// Error is one error: a stable code and a message for people.
+type Error struct {
+	Code    string `json:"code"`
+	Message string `json:"message"`
+}
+
+// Health answers GET /healthz.
+type Health struct {
+	Status string `json:"status"` // "ok"
+}
+
+// VersionInfo answers GET /version.
+type VersionInfo struct {
+	Version     string `json:"version"`
+	APIVersion  string `json:"api_version"`
+	Backend     string `json:"backend"`
+	Accelerator string `json:"accelerator"`
+	// DataDir is the daemon's data directory; the CLI uses it to check
+	// that a daemon it found serves the data it was asked about.
+	DataDir string `json:"data_dir"`
+}
+
+// Snapshot statuses.
+const (
+	SnapshotWriting = "writing"
+	SnapshotReady   = "ready"
+	SnapshotFailed  = "failed"
+)
+
+// Snapshot is a warm snapshot children are forked from.
+type Snapshot struct {
+	Tag         string    `json:"tag"`
+	Status      string    `json:"status"`
+	Image       string    `json:"image,omitempty"`
+	Backend     string    `json:"backend,omitempty"`
+	Accelerator string    `json:"accelerator,omitempty"`
+	MemoryMiB   int       `json:"memory_mib,omitempty"`
+	VCPUs       int       `json:"vcpus,omitempty"`
+	SizeBytes   int64     `json:"size_bytes"`
+	Refcount    int       `json:"refcount"` // live sandboxes using it
+	Created     time.Time `json:"created,omitzero"`
+	Parent      string    `json:"parent,omitempty"`
+	Error       string    `json:"error,omitempty"` // why a failed snapshot failed
+}
+
+// SnapshotList answers GET /v1/snapshots.
+type SnapshotList struct {
+	Snapshots []Snapshot `json:"snapshots"`
+}
+
+// CreateSnapshotRequest is the body of POST /v1/snapshots: boot Image,
+// run the Warmup commands, save it as Tag. The answer is 202 with an
+// Operation; Operation.Snapshot names the tag.
+type CreateSnapshotRequest struct {
+	Tag       string   `json:"tag"`
+	Image     string   `json:"image,omitempty"` // default "minimal"
+	MemoryMiB int      `json:"memory_mib,omitempty"`
+	VCPUs     int      `json:"vcpus,omitempty"`
+	Warmup    []string `json:"warmup,omitempty"`
+}
+
+// Operation statuses.
+const (
+	OperationRunning   = "running"
+	OperationSucceeded = "succeeded"
+	OperationFailed    = "failed"
+)
+
+// Operation is long work started by a 202 response; poll GET
+// /v1/operations/{id} until Status is not "running". Operations are kept
+// on disk: one running when the daemon stopped is reported failed.
+type Operation struct {
+	ID       string    `json:"id"`
+	Kind     string    `json:"kind"` // "create_snapshot"
+	Status   string    `json:"status"`
+	Snapshot string    `json:"snapshot,omitempty"`
+	Error    *Error    `json:"error,omitempty"`
+	Created  time.Time `json:"created"`
+	Finished time.Time `json:"finished,omitzero"`
+}
+
+// OperationList answers GET /v1/operations.
+type OperationList struct {
+	Operations []Operation `json:"operations"`
+}
+
+// Egress policy modes of NetworkSpec.Egress.
+const (
+	EgressAllow     = "allow"
+	EgressDeny      = "deny"
+	EgressAllowlist = "allowlist"
+)
+
+// NetworkSpec is a sandbox's network. Accepted, validated and recorded
+// now; enforced once per-sandbox network namespaces are wired into fork
+// (until then children have no network device).
+type NetworkSpec struct {
+	// Egress is "allow" (default), "deny" or "allowlist".
+	Egress string `json:"egress,omitempty"`
+	// Allow lists destinations: the only ones in "allowlist" mode,
+	// exceptions to the blocked private ranges in "allow" mode.
+	Allow []NetworkRule `json:"allow,omitempty"`
+}
+
+// NetworkRule allows connections to CIDR, optionally for one protocol
+// ("tcp", "udp", "icmp") and some ports ("443", "8000-8100").
+type NetworkRule struct {
+	CIDR  string   `json:"cidr"`
+	Proto string   `json:"proto,omitempty"`
+	Ports []string `json:"ports,omitempty"`
+}
+
+// CreateSandboxesRequest is the body of POST /v1/sandboxes: fork N
+// children of SnapshotTag. The batch is all or nothing unless KeepPartial.
+type CreateSandboxesRequest struct {
+	SnapshotTag string `json:"snapshot_tag"`
+	N           int    `json:"n,omitempty"` // default 1
+	// TimeoutSecs, when positive, kills each sandbox that long after it
+	// became ready (see POST /v1/sandboxes/{id}/timeout).
+	TimeoutSecs int               `json:"timeout_secs,omitempty"`
+	Metadata    map[string]string `json:"metadata,omitempty"`
+	// MemoryLimitMiB caps each sandbox's host memory. Validated and
+	// recorded; enforced when cgroup placement lands in fork.
+	MemoryLimitMiB int          `json:"memory_limit_mib,omitempty"`
+	Network        *NetworkSpec `json:"network,omitempty"`
+	// KeepPartial keeps the children that came up when others failed and
+	// reports each failure in Failed.
+	KeepPartial bool `json:"keep_partial,omitempty"`
+}
+
+// CreateSandboxesResponse answers POST /v1/sandboxes (201).
+type CreateSandboxesResponse struct {
+	Sandboxes []Sandbox `json:"sandboxes"`
+	// Failed lists the children that did not come up (KeepPartial only).
+	Failed []ChildFailure `json:"failed,omitempty"`
+	WallMS float64        `json:"wall_ms"`
+}
+
+// ChildFailure is one child of a batch that failed.
+type ChildFailure struct {
+	ID    string `json:"id"`
+	Error Error  `json:"error"`
+}
+
+// Sandbox statuses.
+const (
+	SandboxStarting = "starting"
+	SandboxRunning  = "running"
+	SandboxDead     = "dead"
+	SandboxOOM      = "oom"
+)
+
+// Sandbox is one child VM.
+type Sandbox struct {
+	ID          string            `json:"id"`
+	SnapshotTag string            `json:"snapshot_tag"`
+	Status      string            `json:"status"`
+	PID         int               `json:"pid"`
+	Created     time.Time         `json:"created"`
+	ReadyMS     int64             `json:"ready_ms"`
+	ExpiresAt   time.Time         `json:"expires_at,omitzero"`
+	Metadata    map[string]string `json:"metadata,omitempty"`
+	// MemoryLimitMiB and Network are as requested (see their notes in
+	// CreateSandboxesRequest).
+	MemoryLimitMiB int          `json:"memory_limit_mib,omitempty"`
+	Network        *NetworkSpec `json:"network,omitempty"`
+}
+
+// SandboxList answers GET /v1/sandboxes. Query parameters filter it:
+// snapshot=TAG, and metadata=KEY=VALUE (repeatable; all must match).
+type SandboxList struct {
+	Sandboxes []Sandbox `json:"sandboxes"`
+}
+
+// SetTimeoutRequest is the body of POST /v1/sandboxes/{id}/timeout: the
+// sandbox is killed TimeoutSecs from now; 0 removes the deadline.
+type SetTimeoutRequest struct {
+	TimeoutSecs int `json:"timeout_secs"`
+}
+
+// ExecRequest is the body of POST /v1/sandboxes/{id}/exec and
+// .../exec/stream. Exactly one of Args and Shell is set.
+type ExecRequest struct {
+	Args  []string          `json:"args,omitempty"`
+	Shell string            `json:"shell,omitempty"` // run under /bin/sh -c
+	Env   map[string]string `json:"env,omitempty"`
+	Cwd   string            `json:"cwd,omitempty"`
+	User  string            `json:"user,omitempty"`
+	// Stdin is given to the process (base64 in JSON); without it the
+	// process reads /dev/null.
+	Stdin []byte `json:"stdin,omitempty"`
+	// TimeoutSecs, when positive, kills the process after that long.
+	TimeoutSecs float64 `json:"timeout_secs,omitempty"`
+}
+
+// ExecResult answers POST /v1/sandboxes/{id}/exec, and ends a stream.
+type ExecResult struct {
+	// ExitCode is the exit status, -1 when a signal ended the process.
+	ExitCode   int    `json:"exit_code"`
+	Signal     string `json:"signal,omitempty"`
+	TimedOut   bool   `json:"timed_out,omitempty"`
+	DurationMS int64  `json:"duration_ms"`
+	// Stdout and Stderr hold the output (buffered exec only), as text
+	// when it is valid UTF-8 and in StdoutB64/StderrB64 otherwise.
+	Stdout    string `json:"stdout,omitempty"`
+	Stderr    string `json:"stderr,omitempty"`
+	StdoutB64 []byte `json:"stdout_b64,omitempty"`
+	StderrB64 []byte `json:"stderr_b64,omitempty"`
+	// Truncated reports that output past the daemon's buffer limit was
+	// dropped (use the streamed form for large output).
+	Truncated bool `json:"truncated,omitempty"`
+}
+
+// Stream event types, one JSON object per line (application/x-ndjson).
+const (
+	EventStdout = "stdout"
+	EventStderr = "stderr"
+	EventExit   = "exit"   // Exec set: the process ended; the last line
+	EventResult = "result" // Eval set: the code finished; the last line
+	EventError  = "error"  // Error set: the call failed; the last line
+)
+
+// StreamEvent is one line of a streamed exec or eval. Output is in Data
+// when it is valid UTF-8, else in DataB64.
+type StreamEvent struct {
+	Type    string      `json:"type"`
+	Data    string      `json:"data,omitempty"`
+	DataB64 []byte      `json:"data_b64,omitempty"`
+	Exec    *ExecResult `json:"exec,omitempty"`
+	Eval    *EvalResult `json:"eval,omitempty"`
+	Error   *Error      `json:"error,omitempty"`
+}
+
+// EvalRequest is the body of POST /v1/sandboxes/{id}/eval and
+// .../eval/stream: Python run in the sandbox's warm interpreter.
+type EvalRequest struct {
+	Code        string  `json:"code"`
+	TimeoutSecs float64 `json:"timeout_secs,omitempty"`
+}
+
+// EvalResult is the outcome of an eval. An exception or timeout of the
+// code is reported here with status 200, not as an HTTP error.
+type EvalResult struct {
+	Value      string     `json:"value,omitempty"` // repr() of the last expression
+	Stdout     string     `json:"stdout,omitempty"`
+	Stderr     string     `json:"stderr,omitempty"`
+	Truncated  bool       `json:"truncated,omitempty"`
+	Error      *EvalError `json:"error,omitempty"`
+	TimedOut   bool       `json:"timed_out,omitempty"`
+	Restarted  bool       `json:"restarted,omitempty"` // the interpreter's state was lost
+	DurationMS int64      `json:"duration_ms"`
+}
+
+// EvalError is an exception raised by the evaluated code.
+type EvalError struct {
+	Name      string `json:"name"`
+	Message   string `json:"message"`
+	Traceback string `json:"traceback,omitempty"`
+}
+
+// PingResult answers POST /v1/sandboxes/{id}/ping.
+type PingResult struct {
+	AgentVersion    string   `json:"agent_version"`
+	ProtocolVersion int      `json:"protocol_version"`
+	UptimeMS        int64    `json:"uptime_ms"`
+	Hostname        string   `json:"hostname,omitempty"`
+	Features        []string `json:"features,omitempty"`
+	PythonReady     bool     `json:"python_ready,omitempty"`
+	// LatencyMS is the daemon's round trip to the guest agent.
+	LatencyMS float64 `json:"latency_ms"`
+}
+
+// File types in FileInfo.Type.
+const (
+	FileTypeFile    = "file"
+	FileTypeDir     = "dir"
+	FileTypeSymlink = "symlink"
+	FileTypeOther   = "other"
+)
+
+// FileInfo describes one guest path (a final symlink is not followed).
+type FileInfo struct {
+	Name    string    `json:"name"`
+	Path    string    `json:"path"`
+	Type    string    `json:"type"`
+	Size    int64     `json:"size"`
+	Mode    uint32    `json:"mode"`
+	ModTime time.Time `json:"mtime"`
+	Target  string    `json:"target,omitempty"`
+}
+
+// FileList answers GET /v1/sandboxes/{id}/files/list?path=P&depth=D.
+type FileList struct {
+	Entries []FileInfo `json:"entries"`
+}
+
+// WriteFileResult answers PUT /v1/sandboxes/{id}/files?path=P[&mode=0644]
+// (the body is the file's content, replaced atomically).
+type WriteFileResult struct {
+	Path  string `json:"path"`
+	Bytes int64  `json:"bytes"`
+}
+
+// MakeDirRequest is the body of POST /v1/sandboxes/{id}/files/mkdir.
+type MakeDirRequest struct {
+	Path string `json:"path"`
+}
+
+// MakeDirResult answers it; Created is false when the directory existed.
+type MakeDirResult struct {
+	Created bool `json:"created"`
+}
+
+// RenameRequest is the body of POST /v1/sandboxes/{id}/files/rename.
+type RenameRequest struct {
+	From string `json:"from"`
+	To   string `json:"to"`
+}
+
+// Empty is the body of a successful response with nothing to say.
+type Empty struct{}

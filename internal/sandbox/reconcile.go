@@ -1,0 +1,224 @@
+package sandbox
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/proc"
+	"github.com/forkd/forkd/internal/state"
+)
+
+// ReconcileReport says what Reconcile found and did.
+type ReconcileReport struct {
+	// Adopted: running records whose VMM is alive (same pid and start
+	// time); they keep running.
+	Adopted []string `json:"adopted"`
+	// Dead: records whose VMM is gone, marked dead, run dir removed.
+	Dead []string `json:"dead"`
+	// Aborted: records of children whose restore never finished (status
+	// starting); their VMM was killed and the record removed.
+	Aborted []string `json:"aborted"`
+	// OrphanProcesses: VMM processes of this data dir that no record owns,
+	// killed.
+	OrphanProcesses []int `json:"orphan_processes"`
+	// OrphanDirs: run dirs no record owns, removed.
+	OrphanDirs []string `json:"orphan_dirs"`
+}
+
+// Reconcile makes the host agree with the state store, for a daemon
+// starting up: it re-adopts every running sandbox whose VMM is still the
+// recorded process (pid and start time, never the pid alone), marks dead
+// the ones whose VMM is gone and reclaims their run dirs, aborts children
+// whose restore was cut short, kills VMM processes and removes run dirs of
+// this data dir that no record owns, and reclaims abandoned snapshot
+// staging. It needs the state store to itself (Config.Daemon), so that no
+// other forkd process is mid-fork.
+func (e *Engine) Reconcile(ctx context.Context) (*ReconcileReport, error) {
+	if !e.cfg.Daemon {
+		return nil, errdefs.FailedPrecondition("reconcile needs the daemon's exclusive hold on the state store")
+	}
+	rep := &ReconcileReport{}
+	list, err := e.state.List()
+	if err != nil {
+		return nil, err
+	}
+	var errs []error
+	owned := map[string]bool{}         // run dirs records keep
+	owners := map[proc.Identity]bool{} // VMM processes records own
+	for _, sb := range list {
+		switch {
+		case sb.Status == state.StatusStarting:
+			if err := e.stop(ctx, sb); err != nil {
+				errs = append(errs, fmt.Errorf("abort %s: %w", sb.ID, err))
+				continue
+			}
+			if err := e.state.Delete(sb.ID); err != nil {
+				errs = append(errs, err)
+				continue
+			}
+			rep.Aborted = append(rep.Aborted, sb.ID)
+		case sb.Status == state.StatusRunning && proc.Alive(sb.Handle.Process):
+			owned[sb.Handle.RunDir] = true
+			owners[sb.Handle.Process] = true
+			rep.Adopted = append(rep.Adopted, sb.ID)
+		default:
+			if sb.Handle.RunDir != "" {
+				if err := os.RemoveAll(sb.Handle.RunDir); err != nil {
+					errs = append(errs, err)
+				}
+			}
+			if sb.Status == state.StatusRunning {
+				if _, err := e.state.Update(sb.ID, func(r *state.Sandbox) error {
+					r.Status = state.StatusDead
+					return nil
+				}); err != nil {
+					errs = append(errs, err)
+					continue
+				}
+				rep.Dead = append(rep.Dead, sb.ID)
+			}
+		}
+	}
+
+	procs, err := e.vmmProcesses()
+	if err != nil {
+		errs = append(errs, err)
+	}
+	busy := map[string]bool{} // run dirs of live processes left alone
+	for _, p := range procs {
+		if owners[p.id] {
+			continue
+		}
+		if p.building {
+			// A snapshot build whose starter (a CLI command) still runs.
+			busy[p.runDir] = true
+			continue
+		}
+		kctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+		err := proc.Kill(kctx, p.id)
+		cancel()
+		if err != nil {
+			errs = append(errs, fmt.Errorf("kill orphan VMM %d: %w", p.id.PID, err))
+			busy[p.runDir] = true
+			continue
+		}
+		e.log.Warn("killed orphan VMM", "pid", p.id.PID, "run_dir", p.runDir)
+		rep.OrphanProcesses = append(rep.OrphanProcesses, p.id.PID)
+	}
+
+	entries, err := os.ReadDir(e.runDir)
+	if err != nil {
+		errs = append(errs, err)
+	}
+	for _, ent := range entries {
+		dir := filepath.Join(e.runDir, ent.Name())
+		if owned[dir] || busy[dir] {
+			continue
+		}
+		if err := os.RemoveAll(dir); err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		rep.OrphanDirs = append(rep.OrphanDirs, ent.Name())
+	}
+	if err := e.snaps.Reclaim(); err != nil {
+		errs = append(errs, fmt.Errorf("reclaim snapshot staging: %w", err))
+	}
+	return rep, errors.Join(errs...)
+}
+
+// vmmProcess is a VMM process found on the host that runs in one of this
+// engine's run dirs.
+type vmmProcess struct {
+	id       proc.Identity
+	runDir   string
+	building bool // a snapshot parent whose starter is still alive
+}
+
+// vmmProcesses finds the VMM processes of this data dir: their argv names
+// them "forkd-<name>" (QEMU's -name ...,process=forkd-<name>) and their
+// working directory is <run>/<name>.
+func (e *Engine) vmmProcesses() ([]vmmProcess, error) {
+	entries, err := os.ReadDir(proc.Root)
+	if err != nil {
+		return nil, err
+	}
+	var out []vmmProcess
+	for _, ent := range entries {
+		pid, err := strconv.Atoi(ent.Name())
+		if err != nil || pid == os.Getpid() {
+			continue
+		}
+		base := filepath.Join(proc.Root, ent.Name())
+		name := vmmName(base)
+		if name == "" {
+			continue
+		}
+		cwd, err := os.Readlink(filepath.Join(base, "cwd"))
+		if err != nil {
+			continue
+		}
+		cwd = strings.TrimSuffix(cwd, " (deleted)")
+		if filepath.Dir(cwd) != e.runDir || filepath.Base(cwd) != name {
+			continue
+		}
+		id, err := proc.Self(pid)
+		if err != nil {
+			continue // exited meanwhile
+		}
+		p := vmmProcess{id: id, runDir: cwd}
+		if strings.HasPrefix(name, "build-") {
+			p.building = parentAlive(base)
+		}
+		out = append(out, p)
+	}
+	return out, nil
+}
+
+// vmmName returns <name> when the process's argv carries
+// "process=forkd-<name>", else "".
+func vmmName(procDir string) string {
+	b, err := os.ReadFile(filepath.Join(procDir, "cmdline"))
+	if err != nil {
+		return ""
+	}
+	for _, arg := range bytes.Split(b, []byte{0}) {
+		_, rest, ok := bytes.Cut(arg, []byte("process=forkd-"))
+		if !ok {
+			continue
+		}
+		name, _, _ := bytes.Cut(rest, []byte(","))
+		if len(name) > 0 && !bytes.ContainsAny(name, "/\x00") {
+			return string(name)
+		}
+	}
+	return ""
+}
+
+// parentAlive reports whether a process's parent is a live process other
+// than init (an orphan is reparented to pid 1 or a subreaper; we treat a
+// non-1 parent as its starter).
+func parentAlive(procDir string) bool {
+	b, err := os.ReadFile(filepath.Join(procDir, "stat"))
+	if err != nil {
+		return false
+	}
+	i := bytes.LastIndexByte(b, ')')
+	if i < 0 {
+		return false
+	}
+	f := bytes.Fields(b[i+1:])
+	if len(f) < 2 {
+		return false
+	}
+	ppid, err := strconv.Atoi(string(f[1]))
+	return err == nil && ppid > 1
+}

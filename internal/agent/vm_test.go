@@ -13,6 +13,7 @@ import (
 	"github.com/forkd/forkd/internal/agent"
 	"github.com/forkd/forkd/internal/agent/proto"
 	"github.com/forkd/forkd/internal/sandbox"
+	"github.com/forkd/forkd/internal/testutil"
 	"github.com/forkd/forkd/internal/testvm"
 )
 
@@ -20,6 +21,9 @@ import (
 // of the python image (overlay root, hvc console, numpy preloaded before the
 // snapshot), restored twice.
 func TestAgentInVM(t *testing.T) {
+	// The VM tier runs as root, like CI: it shares the root-owned image
+	// cache and QEMU may need /dev/kvm.
+	testutil.RequireRoot(t)
 	e := testvm.Engine(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
 	defer cancel()

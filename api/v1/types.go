@@ -39,6 +39,17 @@ type Error struct {
 	Message string `json:"message"`
 }
 
+// ControllerFile is the file, in the daemon's data dir, where a running
+// daemon says where it listens (a ControllerInfo).
+const ControllerFile = "controller.json"
+
+// ControllerInfo is the content of ControllerFile.
+type ControllerInfo struct {
+	Socket string `json:"socket,omitempty"`
+	URL    string `json:"url,omitempty"` // http(s)://host:port, when it listens on TCP
+	PID    int    `json:"pid"`
+}
+
 // Health answers GET /healthz.
 type Health struct {
 	Status string `json:"status"` // "ok"

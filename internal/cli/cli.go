@@ -93,6 +93,8 @@ func newRoot(g *globals) *cobra.Command {
 		newRmiCmd(g),
 		newBenchCmd(g),
 		newQuickstartCmd(g),
+		newServeCmd(g),
+		newSpawnCmd(g),
 	)
 	return root
 }
@@ -132,7 +134,10 @@ func (g *globals) logger() *slog.Logger {
 }
 
 // engine opens the sandbox engine for a CLI command.
-func (g *globals) engine() (*sandbox.Engine, error) {
+func (g *globals) engine() (*sandbox.Engine, error) { return g.openEngine(nil) }
+
+// openEngine opens the sandbox engine; tune, if set, adjusts its config.
+func (g *globals) openEngine(tune func(*sandbox.Config)) (*sandbox.Engine, error) {
 	dir, err := g.resolveDataDir()
 	if err != nil {
 		return nil, err
@@ -145,14 +150,18 @@ func (g *globals) engine() (*sandbox.Engine, error) {
 	if err != nil {
 		return nil, err
 	}
-	return sandbox.New(sandbox.Config{
+	cfg := sandbox.Config{
 		DataDir:   dir,
 		Backend:   be,
 		AgentPath: agentPath(),
 		CacheDir:  os.Getenv("FORKD_CACHE"),
 		Progress:  g.stderr,
 		Logger:    g.logger(),
-	})
+	}
+	if tune != nil {
+		tune(&cfg)
+	}
+	return sandbox.New(cfg)
 }
 
 // agentPath finds the forkd-agent binary: $FORKD_AGENT, next to this

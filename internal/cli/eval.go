@@ -34,6 +34,18 @@ func newEvalCmd(g *globals) *cobra.Command {
 			if timeout < 0 {
 				return errdefs.InvalidArgument("--timeout %v: must be positive", timeout)
 			}
+			req := proto.EvalRequest{Code: code, Timeout: time.Duration(timeout * float64(time.Second))}
+			var res *proto.EvalResult
+			if rc, err := g.remote(cmd.Context()); err != nil {
+				return err
+			} else if rc != nil {
+				defer rc.Close()
+				res, err = evalRemote(cmd.Context(), g, rc, args[0], req, !asJSON)
+				if err != nil {
+					return err
+				}
+				return printEval(g, res, asJSON)
+			}
 			e, err := g.engine()
 			if err != nil {
 				return err
@@ -44,8 +56,6 @@ func newEvalCmd(g *globals) *cobra.Command {
 				return err
 			}
 			defer release()
-			req := proto.EvalRequest{Code: code, Timeout: time.Duration(timeout * float64(time.Second))}
-			var res *proto.EvalResult
 			if asJSON {
 				res, err = c.Eval(cmd.Context(), req)
 			} else {
@@ -54,19 +64,24 @@ func newEvalCmd(g *globals) *cobra.Command {
 			if err != nil {
 				return err
 			}
-			if asJSON {
-				if err := writeJSON(g.stdout, res); err != nil {
-					return err
-				}
-			} else if res.Value != "" {
-				fmt.Fprintln(g.stdout, res.Value)
-			}
-			return evalExit(g, res, asJSON)
+			return printEval(g, res, asJSON)
 		},
 	}
 	cmd.Flags().Float64Var(&timeout, "timeout", 0, "interrupt the code after this many seconds (0 = no limit)")
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print the whole result as JSON")
 	return cmd
+}
+
+// printEval prints an eval's result and maps it to our exit.
+func printEval(g *globals, res *proto.EvalResult, asJSON bool) error {
+	if asJSON {
+		if err := writeJSON(g.stdout, res); err != nil {
+			return err
+		}
+	} else if res.Value != "" {
+		fmt.Fprintln(g.stdout, res.Value)
+	}
+	return evalExit(g, res, asJSON)
 }
 
 // evalExit reports a failed eval on stderr and maps it to exit 1.

@@ -1,10 +1,12 @@
 package cli
 
 import (
+	"io"
 	"time"
 
 	"github.com/spf13/cobra"
 
+	apiv1 "github.com/forkd/forkd/api/v1"
 	"github.com/forkd/forkd/internal/agent"
 	"github.com/forkd/forkd/internal/errdefs"
 )
@@ -25,6 +27,23 @@ func newExecCmd(g *globals) *cobra.Command {
 			envMap, err := parseKV(env, "--env")
 			if err != nil {
 				return err
+			}
+			if rc, err := g.remote(cmd.Context()); err != nil {
+				return err
+			} else if rc != nil {
+				defer rc.Close()
+				req := apiv1.ExecRequest{Args: args[1:], Env: envMap, Cwd: cwd, User: user, TimeoutSecs: timeout.Seconds()}
+				if stdin {
+					// The API takes stdin whole, in the request.
+					if req.Stdin, err = io.ReadAll(io.LimitReader(g.stdin, 16<<20)); err != nil {
+						return err
+					}
+				}
+				res, err := rc.ExecStream(cmd.Context(), args[0], req, g.stdout, g.stderr)
+				if err != nil {
+					return err
+				}
+				return exitFor(res.ExitCode, res.Signal, res.TimedOut)
 			}
 			e, err := g.engine()
 			if err != nil {

@@ -1,11 +1,14 @@
 package cli
 
 import (
+	"context"
 	"fmt"
 	"strings"
 
 	"github.com/spf13/cobra"
 
+	apiv1 "github.com/forkd/forkd/api/v1"
+	"github.com/forkd/forkd/client"
 	"github.com/forkd/forkd/internal/errdefs"
 	"github.com/forkd/forkd/internal/sandbox"
 )
@@ -24,6 +27,12 @@ func newForkCmd(g *globals) *cobra.Command {
 				return err
 			}
 			spec.Metadata = md
+			if c, err := g.remote(cmd.Context()); err != nil {
+				return err
+			} else if c != nil {
+				defer c.Close()
+				return forkRemote(cmd.Context(), g, c, spec, asJSON)
+			}
 			e, err := g.engine()
 			if err != nil {
 				return err
@@ -74,4 +83,25 @@ func parseKV(kvs []string, flag string) (map[string]string, error) {
 		out[k] = v
 	}
 	return out, nil
+}
+
+// forkRemote is fork through the daemon, with fork's own output.
+func forkRemote(ctx context.Context, g *globals, c *client.Client, spec sandbox.ForkSpec, asJSON bool) error {
+	res, err := c.CreateSandboxes(ctx, apiv1.CreateSandboxesRequest{
+		SnapshotTag: spec.Tag, N: spec.N, Metadata: spec.Metadata, KeepPartial: spec.KeepPartial,
+	})
+	if err != nil {
+		return err
+	}
+	if !asJSON {
+		return printSpawned(g, spec.Tag, res, false)
+	}
+	out := sandbox.ForkResult{WallMS: res.WallMS, Children: []sandbox.Child{}}
+	for _, sb := range res.Sandboxes {
+		out.Children = append(out.Children, sandbox.Child{ID: sb.ID, ReadyMS: float64(sb.ReadyMS)})
+	}
+	if err := writeJSON(g.stdout, out); err != nil {
+		return err
+	}
+	return batchError(res)
 }

@@ -1,12 +1,15 @@
 package cli
 
 import (
+	"context"
 	"errors"
 	"fmt"
 
 	"github.com/spf13/cobra"
 
+	"github.com/forkd/forkd/client"
 	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/snapshot"
 )
 
 func newKillCmd(g *globals) *cobra.Command {
@@ -18,6 +21,12 @@ func newKillCmd(g *globals) *cobra.Command {
 		RunE: func(cmd *cobra.Command, ids []string) error {
 			if (len(ids) > 0) == (all || tag != "") || (all && tag != "") {
 				return errdefs.InvalidArgument("give sandbox ids, or --all, or --tag TAG")
+			}
+			if c, err := g.remote(cmd.Context()); err != nil {
+				return err
+			} else if c != nil {
+				defer c.Close()
+				return killRemote(cmd.Context(), g, c, ids, all, tag)
 			}
 			e, err := g.engine()
 			if err != nil {
@@ -45,4 +54,37 @@ func newKillCmd(g *globals) *cobra.Command {
 	cmd.Flags().BoolVar(&all, "all", false, "kill every sandbox")
 	cmd.Flags().StringVar(&tag, "tag", "", "kill every sandbox of this snapshot")
 	return cmd
+}
+
+// killRemote is kill through the daemon.
+func killRemote(ctx context.Context, g *globals, c *client.Client, ids []string, all bool, tag string) error {
+	bulk := all || tag != ""
+	if bulk {
+		if tag != "" {
+			if err := snapshot.ValidateTag(tag); err != nil {
+				return err
+			}
+		}
+		list, err := c.ListSandboxes(ctx, client.ListOptions{Snapshot: tag})
+		if err != nil {
+			return err
+		}
+		ids = ids[:0]
+		for _, sb := range list {
+			ids = append(ids, sb.ID)
+		}
+	}
+	var errs []error
+	for _, id := range ids {
+		err := c.DeleteSandbox(ctx, id)
+		if bulk && errdefs.IsNotFound(err) {
+			continue // gone meanwhile
+		}
+		if err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		fmt.Fprintln(g.stdout, id)
+	}
+	return errors.Join(errs...)
 }

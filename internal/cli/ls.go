@@ -1,12 +1,14 @@
 package cli
 
 import (
+	"context"
 	"fmt"
 	"text/tabwriter"
 	"time"
 
 	"github.com/spf13/cobra"
 
+	"github.com/forkd/forkd/client"
 	"github.com/forkd/forkd/internal/state"
 )
 
@@ -35,18 +37,9 @@ func newLsCmd(g *globals) *cobra.Command {
 		Short: "List sandboxes",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			e, err := g.engine()
+			views, err := g.listSandboxes(cmd.Context())
 			if err != nil {
 				return err
-			}
-			defer e.Close()
-			list, err := e.List(cmd.Context())
-			if err != nil {
-				return err
-			}
-			views := make([]sandboxView, 0, len(list))
-			for _, sb := range list {
-				views = append(views, viewSandbox(sb))
 			}
 			if asJSON {
 				return writeJSON(g.stdout, map[string]any{"sandboxes": views})
@@ -62,4 +55,32 @@ func newLsCmd(g *globals) *cobra.Command {
 	}
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON")
 	return cmd
+}
+
+// listSandboxes lists through the daemon when one runs, else locally.
+func (g *globals) listSandboxes(ctx context.Context) ([]sandboxView, error) {
+	views := []sandboxView{}
+	if c, err := g.remote(ctx); err != nil {
+		return nil, err
+	} else if c != nil {
+		defer c.Close()
+		list, err := c.ListSandboxes(ctx, client.ListOptions{})
+		for _, sb := range list {
+			views = append(views, sandboxView{
+				ID: sb.ID, Snapshot: sb.SnapshotTag, Status: sb.Status, PID: sb.PID,
+				Created: sb.Created, ReadyMS: sb.ReadyMS, Metadata: sb.Metadata,
+			})
+		}
+		return views, err
+	}
+	e, err := g.engine()
+	if err != nil {
+		return nil, err
+	}
+	defer e.Close()
+	list, err := e.List(ctx)
+	for _, sb := range list {
+		views = append(views, viewSandbox(sb))
+	}
+	return views, err
 }

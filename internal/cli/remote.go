@@ -1,0 +1,132 @@
+package cli
+
+import (
+	"context"
+	"encoding/json"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+
+	apiv1 "github.com/forkd/forkd/api/v1"
+	"github.com/forkd/forkd/client"
+	"github.com/forkd/forkd/internal/agent/proto"
+	"github.com/forkd/forkd/internal/errdefs"
+)
+
+// remote returns a client of the daemon serving this command's data dir,
+// or nil when none does (the command then works on the data dir itself).
+//
+// FORKD_URL names the daemon explicitly (unix:///path, http(s)://host:port);
+// it must answer. Its token is FORKD_TOKEN, else the data dir's token file
+// when readable. Without FORKD_URL the socket recorded in the data dir by a
+// running daemon and the default socket are tried; one is used when it
+// answers /healthz and serves this same data dir.
+func (g *globals) remote(ctx context.Context) (*client.Client, error) {
+	dir, err := g.resolveDataDir()
+	if err != nil {
+		return nil, err
+	}
+	if u := os.Getenv("FORKD_URL"); u != "" {
+		tok := os.Getenv("FORKD_TOKEN")
+		if tok == "" && !strings.HasPrefix(u, "unix:") {
+			if b, err := os.ReadFile(filepath.Join(dir, "token")); err == nil {
+				tok = strings.TrimSpace(string(b))
+			}
+		}
+		c, err := client.New(u, tok)
+		if err != nil {
+			return nil, err
+		}
+		pctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+		defer cancel()
+		if err := c.Health(pctx); err != nil {
+			return nil, errdefs.Unavailable("FORKD_URL=%s does not answer: %v", u, err)
+		}
+		return c, nil
+	}
+	var socks []string
+	if b, err := os.ReadFile(filepath.Join(dir, apiv1.ControllerFile)); err == nil {
+		var info apiv1.ControllerInfo
+		if json.Unmarshal(b, &info) == nil && info.Socket != "" {
+			socks = append(socks, info.Socket)
+		}
+	}
+	if s := client.DefaultSocket(); s != "" {
+		socks = append(socks, s)
+	}
+	for _, s := range socks {
+		if _, err := os.Stat(s); err != nil {
+			continue
+		}
+		c, err := client.New("unix://"+s, "")
+		if err != nil {
+			continue
+		}
+		if servesDir(ctx, c, dir) {
+			return c, nil
+		}
+		c.Close()
+	}
+	return nil, nil
+}
+
+// servesDir reports whether the daemon behind c answers and serves dir.
+func servesDir(ctx context.Context, c *client.Client, dir string) bool {
+	pctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	defer cancel()
+	if c.Health(pctx) != nil {
+		return false
+	}
+	v, err := c.Version(pctx)
+	if err != nil {
+		return false
+	}
+	return samePath(v.DataDir, dir)
+}
+
+func samePath(a, b string) bool {
+	ra, err1 := filepath.EvalSymlinks(a)
+	rb, err2 := filepath.EvalSymlinks(b)
+	if err1 != nil || err2 != nil {
+		return filepath.Clean(a) == filepath.Clean(b)
+	}
+	return ra == rb
+}
+
+// needRemote is remote for commands that only exist through a daemon.
+func (g *globals) needRemote(ctx context.Context, cmd string) (*client.Client, error) {
+	c, err := g.remote(ctx)
+	if err != nil {
+		return nil, err
+	}
+	if c == nil {
+		return nil, errdefs.FailedPrecondition("%s needs a running daemon (forkd serve), and none serves this data dir; set FORKD_URL to reach one elsewhere", cmd)
+	}
+	return c, nil
+}
+
+// evalRemote is eval through the daemon, streaming the code's output when
+// stream is set. The result has the engine's shape, so both paths print
+// the same.
+func evalRemote(ctx context.Context, g *globals, c *client.Client, id string, req proto.EvalRequest, stream bool) (*proto.EvalResult, error) {
+	areq := apiv1.EvalRequest{Code: req.Code, TimeoutSecs: req.Timeout.Seconds()}
+	var res *apiv1.EvalResult
+	var err error
+	if stream {
+		res, err = c.EvalStream(ctx, id, areq, g.stdout, g.stderr)
+	} else {
+		res, err = c.Eval(ctx, id, areq)
+	}
+	if err != nil {
+		return nil, err
+	}
+	out := &proto.EvalResult{
+		Value: res.Value, Stdout: res.Stdout, Stderr: res.Stderr, Truncated: res.Truncated,
+		TimedOut: res.TimedOut, Restarted: res.Restarted, DurationMS: res.DurationMS,
+	}
+	if res.Error != nil {
+		out.Error = &proto.EvalError{Name: res.Error.Name, Message: res.Error.Message, Traceback: res.Error.Traceback}
+	}
+	return out, nil
+}

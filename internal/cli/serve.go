@@ -1,0 +1,262 @@
+package cli
+
+import (
+	"context"
+	"crypto/tls"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"path/filepath"
+	"time"
+
+	"github.com/spf13/cobra"
+
+	apiv1 "github.com/forkd/forkd/api/v1"
+	"github.com/forkd/forkd/client"
+	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/sandbox"
+	"github.com/forkd/forkd/internal/server"
+)
+
+// serveOptions are the flags of forkd serve.
+type serveOptions struct {
+	socket, listen, tokenFile   string
+	tlsCert, tlsKey             string
+	noAuth, allowPlaintext      bool
+	maxSandboxes, maxPerRequest int
+	maxParallel, maxPending     int
+	maxBody                     int64
+	auditLog                    string
+	grace                       time.Duration
+}
+
+func newServeCmd(g *globals) *cobra.Command {
+	var o serveOptions
+	cmd := &cobra.Command{
+		Use:   "serve [--socket PATH] [--listen ADDR] [--token-file PATH] [--tls-cert F --tls-key F]",
+		Short: "Run the controller daemon: REST API v1 on a unix socket and on 127.0.0.1:8889",
+		Long: `Run the controller daemon. It owns the data dir (the CLI then goes through it),
+re-adopts the sandboxes still running from an earlier run, reaps dead ones and
+anything of ours the store does not know, kills sandboxes at their deadline,
+and serves REST API v1 (GET /v1/openapi.json describes it).
+
+The unix socket (mode 0600) trusts the kernel: root or the daemon's user. TCP
+callers need the bearer token in --token-file (created with 32 random bytes when
+missing). A non-loopback --listen needs TLS (--tls-cert/--tls-key) unless
+--allow-plaintext. SIGTERM stops the daemon; sandboxes keep running.`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error { return serve(cmd.Context(), g, o) },
+	}
+	f := cmd.Flags()
+	f.StringVar(&o.socket, "socket", client.DefaultSocket(), `unix socket to listen on ("" for none)`)
+	f.StringVar(&o.listen, "listen", client.DefaultAddr, `TCP address to listen on ("" for none)`)
+	f.StringVar(&o.tokenFile, "token-file", "", "bearer token file for TCP callers (default <data-dir>/token)")
+	f.StringVar(&o.tlsCert, "tls-cert", "", "TLS certificate (PEM) for the TCP listener")
+	f.StringVar(&o.tlsKey, "tls-key", "", "TLS private key (PEM) for the TCP listener")
+	f.BoolVar(&o.noAuth, "no-auth", false, "no token on TCP (refused unless --listen is a loopback address)")
+	f.BoolVar(&o.allowPlaintext, "allow-plaintext", false, "allow a non-loopback --listen without TLS")
+	f.IntVar(&o.maxSandboxes, "max-sandboxes", 256, "live sandboxes in total (0 = no limit)")
+	f.IntVar(&o.maxPerRequest, "max-per-request", 100, "sandboxes one request may create")
+	f.IntVar(&o.maxParallel, "max-parallel-restores", 0, "restores running at once (default 2 × CPUs)")
+	f.IntVar(&o.maxPending, "max-pending-restores", 1024, "children admitted but not yet ready, all requests together")
+	f.Int64Var(&o.maxBody, "max-body-bytes", 1<<20, "largest JSON request body")
+	f.StringVar(&o.auditLog, "audit-log", "", `audit log, one JSON line per request (default <data-dir>/audit.log; "-" for stderr)`)
+	f.DurationVar(&o.grace, "shutdown-grace", 10*time.Second, "time requests in flight get to finish at shutdown")
+	return cmd
+}
+
+func serve(ctx context.Context, g *globals, o serveOptions) error {
+	if o.socket == "" && o.listen == "" {
+		return errdefs.InvalidArgument("nothing to listen on: give --socket or --listen")
+	}
+	if (o.tlsCert == "") != (o.tlsKey == "") {
+		return errdefs.InvalidArgument("--tls-cert and --tls-key go together")
+	}
+	if o.maxPerRequest < 1 {
+		return errdefs.InvalidArgument("--max-per-request %d: want at least 1", o.maxPerRequest)
+	}
+	dir, err := g.resolveDataDir()
+	if err != nil {
+		return err
+	}
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return err
+	}
+	loopback := true
+	if o.listen != "" {
+		if loopback, err = isLoopback(o.listen); err != nil {
+			return err
+		}
+		if !loopback && o.noAuth {
+			return errdefs.InvalidArgument("--listen %s is not a loopback address: refusing to serve it without a token (drop --no-auth)", o.listen)
+		}
+		if !loopback && o.tlsCert == "" && !o.allowPlaintext {
+			return errdefs.InvalidArgument("--listen %s is not a loopback address: give --tls-cert and --tls-key (or --allow-plaintext to send the token in clear)", o.listen)
+		}
+	}
+	var token []byte
+	if o.listen != "" && !o.noAuth {
+		tf := o.tokenFile
+		if tf == "" {
+			tf = filepath.Join(dir, "token")
+		}
+		tok, created, err := server.LoadToken(tf, true)
+		if err != nil {
+			return err
+		}
+		if created {
+			fmt.Fprintf(g.stderr, "forkd: created token file %s\n", tf)
+		}
+		token = tok
+	}
+	var tlsCfg *tls.Config
+	if o.tlsCert != "" {
+		cert, err := tls.LoadX509KeyPair(o.tlsCert, o.tlsKey)
+		if err != nil {
+			return errdefs.InvalidArgument("TLS certificate: %v", err)
+		}
+		tlsCfg = &tls.Config{Certificates: []tls.Certificate{cert}, MinVersion: tls.VersionTLS12}
+	}
+
+	log := g.logger()
+	e, err := g.openEngine(func(c *sandbox.Config) {
+		c.Daemon = true
+		c.MaxChildren = o.maxPerRequest
+		c.MaxParallel = o.maxParallel
+		c.Progress = io.Discard
+	})
+	if err != nil {
+		return err
+	}
+	defer e.Close()
+	rep, err := e.Reconcile(ctx)
+	if err != nil {
+		log.Warn("reconcile", "err", err)
+	}
+	if rep != nil {
+		log.Info("reconciled", "adopted", len(rep.Adopted), "dead", len(rep.Dead), "aborted", len(rep.Aborted),
+			"orphan_processes", len(rep.OrphanProcesses), "orphan_dirs", len(rep.OrphanDirs))
+		fmt.Fprintf(g.stderr, "forkd: %d sandbox(es) re-adopted, %d found dead, %d half-started aborted, %d orphan VMM(s) killed\n",
+			len(rep.Adopted), len(rep.Dead), len(rep.Aborted), len(rep.OrphanProcesses))
+	}
+
+	audit, closeAudit, err := openAudit(o.auditLog, dir, g.stderr)
+	if err != nil {
+		return err
+	}
+	defer closeAudit()
+	exp := sandbox.NewExpirer(e)
+	srv, err := server.New(server.Config{
+		Engine:       e,
+		Admitter:     sandbox.NewAdmitter(e, sandbox.Limits{MaxSandboxes: o.maxSandboxes, MaxPending: o.maxPending}),
+		Expirer:      exp,
+		Token:        token,
+		MaxBodyBytes: o.maxBody,
+		Audit:        audit,
+		Logger:       log,
+		Version:      Version,
+	})
+	if err != nil {
+		return err
+	}
+
+	var lns []net.Listener
+	defer func() {
+		for _, ln := range lns {
+			ln.Close()
+		}
+	}()
+	info := apiv1.ControllerInfo{PID: os.Getpid()}
+	if o.socket != "" {
+		ln, err := listenUnix(o.socket)
+		if err != nil {
+			return err
+		}
+		lns = append(lns, ln)
+		info.Socket = o.socket
+		defer os.Remove(o.socket)
+	}
+	if o.listen != "" {
+		ln, err := net.Listen("tcp", o.listen)
+		if err != nil {
+			return fmt.Errorf("listen %s: %w", o.listen, err)
+		}
+		scheme := "http"
+		if tlsCfg != nil {
+			ln, scheme = tls.NewListener(ln, tlsCfg), "https"
+		}
+		lns = append(lns, ln)
+		info.URL = scheme + "://" + ln.Addr().String()
+	}
+	if remove, err := srv.Announce(info); err != nil {
+		log.Warn("announce the daemon in the data dir", "err", err)
+	} else {
+		defer remove()
+	}
+	fmt.Fprintf(g.stderr, "forkd: serving %s on %s %s\n", dir, info.Socket, info.URL)
+
+	sctx, stop := context.WithCancel(ctx)
+	defer stop()
+	go exp.Run(sctx)
+	err = srv.Serve(ctx, o.grace, lns...)
+	stop()
+	fmt.Fprintln(g.stderr, "forkd: stopped; sandboxes keep running")
+	return err
+}
+
+// isLoopback reports whether a listen address binds only loopback.
+func isLoopback(addr string) (bool, error) {
+	host, _, err := net.SplitHostPort(addr)
+	if err != nil {
+		return false, errdefs.InvalidArgument("--listen %q: %v", addr, err)
+	}
+	if host == "localhost" {
+		return true, nil
+	}
+	ip := net.ParseIP(host)
+	return ip != nil && ip.IsLoopback(), nil
+}
+
+// listenUnix listens on a unix socket of mode 0600, replacing a stale
+// socket file but never one a live daemon answers on.
+func listenUnix(path string) (net.Listener, error) {
+	if err := os.MkdirAll(filepath.Dir(path), 0o700); err != nil {
+		return nil, err
+	}
+	if st, err := os.Lstat(path); err == nil {
+		if st.Mode().Type() != os.ModeSocket {
+			return nil, errdefs.FailedPrecondition("%s exists and is not a socket", path)
+		}
+		if c, err := net.DialTimeout("unix", path, time.Second); err == nil {
+			c.Close()
+			return nil, errdefs.FailedPrecondition("another daemon listens on %s", path)
+		}
+		os.Remove(path)
+	}
+	ln, err := net.Listen("unix", path)
+	if err != nil {
+		return nil, fmt.Errorf("listen %s: %w", path, err)
+	}
+	if err := os.Chmod(path, 0o600); err != nil {
+		ln.Close()
+		return nil, err
+	}
+	ln.(*net.UnixListener).SetUnlinkOnClose(false)
+	return ln, nil
+}
+
+// openAudit opens the audit log named by flag.
+func openAudit(flag, dir string, stderr io.Writer) (io.Writer, func(), error) {
+	switch flag {
+	case "-":
+		return stderr, func() {}, nil
+	case "":
+		flag = filepath.Join(dir, "audit.log")
+	}
+	f, err := os.OpenFile(flag, os.O_WRONLY|os.O_APPEND|os.O_CREATE, 0o600)
+	if err != nil {
+		return nil, nil, fmt.Errorf("audit log: %w", err)
+	}
+	return f, func() { f.Close() }, nil
+}

@@ -1,0 +1,77 @@
+package cli
+
+import (
+	"fmt"
+
+	"github.com/spf13/cobra"
+
+	apiv1 "github.com/forkd/forkd/api/v1"
+	"github.com/forkd/forkd/internal/errdefs"
+)
+
+func newSpawnCmd(g *globals) *cobra.Command {
+	var req apiv1.CreateSandboxesRequest
+	var meta []string
+	var asJSON bool
+	cmd := &cobra.Command{
+		Use:   "spawn --tag TAG [-n N] [--timeout-secs S]",
+		Short: "Fork sandboxes through the daemon (forkd serve), with a time to live",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			md, err := parseKV(meta, "--metadata")
+			if err != nil {
+				return err
+			}
+			req.Metadata = md
+			c, err := g.needRemote(cmd.Context(), "spawn")
+			if err != nil {
+				return err
+			}
+			defer c.Close()
+			res, err := c.CreateSandboxes(cmd.Context(), req)
+			if err != nil {
+				return err
+			}
+			return printSpawned(g, req.SnapshotTag, res, asJSON)
+		},
+	}
+	f := cmd.Flags()
+	f.StringVar(&req.SnapshotTag, "tag", "", "snapshot to fork (required)")
+	f.IntVarP(&req.N, "n", "n", 1, "number of sandboxes")
+	f.IntVar(&req.TimeoutSecs, "timeout-secs", 0, "kill each sandbox this long after it is ready (0 = never)")
+	f.IntVar(&req.MemoryLimitMiB, "memory-limit-mib", 0, "memory limit per sandbox (recorded; enforced once cgroups land)")
+	f.BoolVar(&req.KeepPartial, "keep-partial", false, "keep the sandboxes that came up when others failed")
+	f.StringArrayVar(&meta, "metadata", nil, "KEY=VALUE recorded with each sandbox (repeatable)")
+	f.BoolVar(&asJSON, "json", false, "print the daemon's answer as JSON")
+	cmd.MarkFlagRequired("tag")
+	return cmd
+}
+
+// printSpawned prints a create answer: ids and ready times on stdout,
+// failures and the summary on stderr. It fails when any child failed.
+func printSpawned(g *globals, tag string, res *apiv1.CreateSandboxesResponse, asJSON bool) error {
+	if asJSON {
+		if err := writeJSON(g.stdout, res); err != nil {
+			return err
+		}
+	} else {
+		for _, sb := range res.Sandboxes {
+			fmt.Fprintf(g.stdout, "%s\t%d ms\n", sb.ID, sb.ReadyMS)
+		}
+		for _, f := range res.Failed {
+			fmt.Fprintf(g.stderr, "%s failed: %s\n", f.ID, f.Error.Message)
+		}
+		fmt.Fprintf(g.stderr, "%d children of %s ready in %.0f ms\n", len(res.Sandboxes), tag, res.WallMS)
+	}
+	return batchError(res)
+}
+
+// batchError is the error of a batch in which some children failed.
+func batchError(res *apiv1.CreateSandboxesResponse) error {
+	if len(res.Failed) == 0 {
+		return nil
+	}
+	f := res.Failed[0]
+	return fmt.Errorf("%d of %d children failed: %w", len(res.Failed), len(res.Failed)+len(res.Sandboxes),
+		errdefs.FromCode(f.Error.Code, f.Error.Message))
+}

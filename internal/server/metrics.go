@@ -1,0 +1,74 @@
+package server
+
+import (
+	"net/http"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+)
+
+// metrics are the daemon's Prometheus series.
+type metrics struct {
+	requests  *prometheus.CounterVec   // route, code
+	latency   *prometheus.HistogramVec // route
+	inFlight  prometheus.Gauge
+	created   prometheus.Counter
+	failed    prometheus.Counter
+	rejected  prometheus.Counter
+	expired   prometheus.Counter
+	readyTime prometheus.Histogram
+	handler   http.Handler
+}
+
+func newMetrics(s *Server, reg *prometheus.Registry) *metrics {
+	m := &metrics{
+		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "forkd_http_requests_total", Help: "HTTP requests by route and status.",
+		}, []string{"route", "code"}),
+		latency: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name: "forkd_http_request_duration_seconds", Help: "HTTP request latency by route.",
+			Buckets: []float64{.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30},
+		}, []string{"route"}),
+		inFlight: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "forkd_http_requests_in_flight", Help: "HTTP requests being served.",
+		}),
+		created: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "forkd_sandboxes_created_total", Help: "Sandboxes that became ready.",
+		}),
+		failed: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "forkd_sandbox_restore_failures_total", Help: "Children that failed to come up.",
+		}),
+		rejected: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "forkd_sandbox_admission_rejected_total", Help: "Create requests refused by a limit.",
+		}),
+		expired: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "forkd_sandboxes_expired_total", Help: "Sandboxes killed at their deadline.",
+		}),
+		readyTime: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name: "forkd_sandbox_ready_seconds", Help: "Time from restore start until a child's agent answered.",
+			Buckets: prometheus.ExponentialBuckets(0.01, 2, 12),
+		}),
+	}
+	live := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name: "forkd_sandboxes_live", Help: "Sandboxes starting or running.",
+	}, func() float64 {
+		n, _ := s.cfg.Admitter.Live()
+		return float64(n)
+	})
+	snaps := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name: "forkd_snapshots", Help: "Snapshots in the store.",
+	}, func() float64 {
+		l, _ := s.e.Snapshots().List()
+		return float64(len(l))
+	})
+	reg.MustRegister(m.requests, m.latency, m.inFlight, m.created, m.failed, m.rejected, m.expired, m.readyTime, live, snaps,
+		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	m.handler = promhttp.HandlerFor(reg, promhttp.HandlerOpts{})
+	return m
+}
+
+func (s *Server) serveMetrics(w http.ResponseWriter, r *http.Request) error {
+	s.metrics.handler.ServeHTTP(w, r)
+	return nil
+}

@@ -1,0 +1,231 @@
+package server
+
+import (
+	"crypto/rand"
+	"encoding/base32"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sort"
+	"strings"
+	"sync"
+	"time"
+
+	apiv1 "github.com/forkd/forkd/api/v1"
+	"github.com/forkd/forkd/internal/errdefs"
+)
+
+// keepOperations is how many finished operations are kept.
+const keepOperations = 200
+
+// operations keeps long-running operations, one JSON file each in dir,
+// each change written atomically before it is visible.
+type operations struct {
+	dir string
+
+	mu  sync.Mutex                  // guards ops
+	ops map[string]*apiv1.Operation // by id
+}
+
+// openOperations loads dir. An operation still running in it was cut short
+// by a daemon stop; it is marked failed.
+func openOperations(dir string) (*operations, error) {
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return nil, fmt.Errorf("operations dir: %w", err)
+	}
+	o := &operations{dir: dir, ops: map[string]*apiv1.Operation{}}
+	entries, err := os.ReadDir(dir)
+	if err != nil {
+		return nil, err
+	}
+	for _, e := range entries {
+		name := e.Name()
+		if strings.HasPrefix(name, ".") {
+			os.Remove(filepath.Join(dir, name)) // a write cut short
+			continue
+		}
+		if !strings.HasSuffix(name, ".json") {
+			continue
+		}
+		b, err := os.ReadFile(filepath.Join(dir, name))
+		if err != nil {
+			return nil, err
+		}
+		var op apiv1.Operation
+		if err := json.Unmarshal(b, &op); err != nil || op.ID+".json" != name {
+			os.Remove(filepath.Join(dir, name))
+			continue
+		}
+		if op.Status == apiv1.OperationRunning {
+			op.Status = apiv1.OperationFailed
+			op.Error = &apiv1.Error{Code: apiv1.CodeUnavailable, Message: "the daemon stopped before the operation finished"}
+			op.Finished = time.Now().UTC()
+			if err := o.write(&op); err != nil {
+				return nil, err
+			}
+		}
+		o.ops[op.ID] = &op
+	}
+	o.prune()
+	return o, nil
+}
+
+var opIDEncoding = base32.NewEncoding("abcdefghijklmnopqrstuvwxyz234567").WithPadding(base32.NoPadding)
+
+// start records a new running operation. It fails with AlreadyExists when
+// an operation of the same kind on the same snapshot is running.
+func (o *operations) start(kind, snapshot string) (apiv1.Operation, error) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	for _, op := range o.ops {
+		if op.Status == apiv1.OperationRunning && op.Kind == kind && op.Snapshot == snapshot {
+			return apiv1.Operation{}, errdefs.AlreadyExists("snapshot %q is being written by operation %s", snapshot, op.ID)
+		}
+	}
+	var b [7]byte
+	rand.Read(b[:])
+	op := &apiv1.Operation{
+		ID: "op-" + opIDEncoding.EncodeToString(b[:])[:10], Kind: kind, Status: apiv1.OperationRunning,
+		Snapshot: snapshot, Created: time.Now().UTC(),
+	}
+	if err := o.write(op); err != nil {
+		return apiv1.Operation{}, err
+	}
+	o.ops[op.ID] = op
+	return *op, nil
+}
+
+// finish records an operation's end.
+func (o *operations) finish(id string, err error) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	op := o.ops[id]
+	if op == nil {
+		return
+	}
+	done := *op
+	done.Status = apiv1.OperationSucceeded
+	if err != nil {
+		done.Status = apiv1.OperationFailed
+		e := wireError(err)
+		done.Error = &e
+	}
+	done.Finished = time.Now().UTC()
+	if werr := o.write(&done); werr != nil {
+		done.Error = &apiv1.Error{Code: apiv1.CodeInternal, Message: errors.Join(err, werr).Error()}
+	}
+	*op = done
+	o.prune()
+}
+
+func (o *operations) get(id string) (apiv1.Operation, error) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	op := o.ops[id]
+	if op == nil {
+		return apiv1.Operation{}, errdefs.NotFound("operation %q not found", id)
+	}
+	return *op, nil
+}
+
+// list returns the operations, newest first.
+func (o *operations) list() []apiv1.Operation {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	out := make([]apiv1.Operation, 0, len(o.ops))
+	for _, op := range o.ops {
+		out = append(out, *op)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Created.After(out[j].Created) })
+	return out
+}
+
+// writing returns the tags of snapshots being built.
+func (o *operations) writing() map[string]bool {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	tags := map[string]bool{}
+	for _, op := range o.ops {
+		if op.Status == apiv1.OperationRunning && op.Snapshot != "" {
+			tags[op.Snapshot] = true
+		}
+	}
+	return tags
+}
+
+// write stores op atomically.
+func (o *operations) write(op *apiv1.Operation) error {
+	b, err := json.Marshal(op)
+	if err != nil {
+		return err
+	}
+	return writeFileAtomic(filepath.Join(o.dir, op.ID+".json"), b, 0o600)
+}
+
+// writeFileAtomic replaces path with b: temp file, fsync, rename, fsync
+// of the directory.
+func writeFileAtomic(path string, b []byte, perm os.FileMode) error {
+	tmp, err := writeTemp(filepath.Dir(path), b, perm)
+	if err != nil {
+		return err
+	}
+	if err := os.Rename(tmp, path); err != nil {
+		os.Remove(tmp)
+		return err
+	}
+	return syncDir(filepath.Dir(path))
+}
+
+// writeTemp writes b to a new synced file in dir (a name starting with
+// ".") and returns its path.
+func writeTemp(dir string, b []byte, perm os.FileMode) (string, error) {
+	f, err := os.CreateTemp(dir, ".tmp-*")
+	if err != nil {
+		return "", err
+	}
+	_, err = f.Write(b)
+	if err == nil {
+		err = f.Chmod(perm)
+	}
+	if err == nil {
+		err = f.Sync()
+	}
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		os.Remove(f.Name())
+		return "", err
+	}
+	return f.Name(), nil
+}
+
+func syncDir(dir string) error {
+	d, err := os.Open(dir)
+	if err != nil {
+		return err
+	}
+	defer d.Close()
+	return d.Sync()
+}
+
+// prune drops the oldest finished operations beyond keepOperations.
+// Called with mu held.
+func (o *operations) prune() {
+	if len(o.ops) <= keepOperations {
+		return
+	}
+	var done []*apiv1.Operation
+	for _, op := range o.ops {
+		if op.Status != apiv1.OperationRunning {
+			done = append(done, op)
+		}
+	}
+	sort.Slice(done, func(i, j int) bool { return done[i].Created.Before(done[j].Created) })
+	for _, op := range done[:max(0, len(o.ops)-keepOperations)] {
+		os.Remove(filepath.Join(o.dir, op.ID+".json"))
+		delete(o.ops, op.ID)
+	}
+}

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"reflect"
 	"strings"
 
 	"github.com/forkd/forkd/internal/errdefs"
@@ -28,33 +29,122 @@ func (e *tooLarge) Error() string {
 func (e *tooLarge) Unwrap() []error { return []error{errdefs.ErrInvalidArgument, e.mbe} }
 
 // decodeStrict decodes exactly one JSON object from r into v: unknown
-// fields, a value of the wrong type, anything but an object at the top and
-// anything after it are errors of class InvalidArgument, with a message
-// that says what was wrong and where.
+// fields (names match exactly, case included), duplicate keys, a value of
+// the wrong type, anything but an object at the top and anything after it
+// are errors of class InvalidArgument, with a message that says what was
+// wrong and where.
 func decodeStrict(r io.Reader, v any) error {
-	br := &peekReader{r: r}
-	first, err := br.firstNonSpace()
+	b, err := io.ReadAll(r)
 	if err != nil {
 		return bodyError(err)
 	}
-	if first != '{' {
-		return errdefs.InvalidArgument("request body: want a JSON object, got %s", describeStart(first))
+	t := bytes.TrimLeft(b, " \t\r\n")
+	if len(t) == 0 {
+		return bodyError(io.EOF)
 	}
-	dec := json.NewDecoder(br)
+	if t[0] != '{' {
+		return errdefs.InvalidArgument("request body: want a JSON object, got %s", describeStart(t[0]))
+	}
+	dec := json.NewDecoder(bytes.NewReader(b))
 	dec.DisallowUnknownFields()
 	if err := dec.Decode(v); err != nil {
 		return bodyError(err)
 	}
 	// Exactly one value: only white space may follow.
-	var extra json.RawMessage
-	switch err := dec.Decode(&extra); {
-	case errors.Is(err, io.EOF):
-		return nil
-	case err != nil:
-		return bodyError(err)
-	default:
-		return errdefs.InvalidArgument("request body: more than one JSON value")
+	if rest := bytes.TrimLeft(b[dec.InputOffset():], " \t\r\n"); len(rest) > 0 {
+		if json.Valid(rest) || rest[0] == '{' || rest[0] == '[' {
+			return errdefs.InvalidArgument("request body: more than one JSON value")
+		}
+		return errdefs.InvalidArgument("request body: malformed JSON at byte %d: data after the object", len(b)-len(rest))
 	}
+	// encoding/json matches names without regard to case and lets a
+	// repeated key win silently; the API does neither.
+	kdec := json.NewDecoder(bytes.NewReader(b))
+	return checkKeys(kdec, reflect.TypeOf(v), "")
+}
+
+// checkKeys reads one JSON value from dec and checks that every object key
+// names a field of the Go type t exactly (tag name, case included) and
+// that no object repeats a key. at is the value's place, for messages.
+func checkKeys(dec *json.Decoder, t reflect.Type, at string) error {
+	for t != nil && t.Kind() == reflect.Pointer {
+		t = t.Elem()
+	}
+	tok, err := dec.Token()
+	if err != nil {
+		return bodyError(err)
+	}
+	d, ok := tok.(json.Delim)
+	if !ok {
+		return nil // a scalar
+	}
+	switch d {
+	case '[':
+		var elem reflect.Type
+		if t != nil && (t.Kind() == reflect.Slice || t.Kind() == reflect.Array) {
+			elem = t.Elem()
+		}
+		for i := 0; dec.More(); i++ {
+			if err := checkKeys(dec, elem, fmt.Sprintf("%s[%d]", at, i)); err != nil {
+				return err
+			}
+		}
+	case '{':
+		seen := map[string]bool{}
+		for dec.More() {
+			tok, err := dec.Token()
+			if err != nil {
+				return bodyError(err)
+			}
+			key, _ := tok.(string)
+			where := key
+			if at != "" {
+				where = at + "." + key
+			}
+			if seen[key] {
+				return errdefs.InvalidArgument("request body: key %q appears twice", where)
+			}
+			seen[key] = true
+			var ft reflect.Type
+			switch {
+			case t != nil && t.Kind() == reflect.Struct:
+				f, ok := fieldByJSONName(t, key)
+				if !ok {
+					return errdefs.InvalidArgument("request body: unknown field %q", where)
+				}
+				ft = f
+			case t != nil && t.Kind() == reflect.Map:
+				ft = t.Elem()
+			}
+			if err := checkKeys(dec, ft, where); err != nil {
+				return err
+			}
+		}
+	}
+	_, err = dec.Token() // the closing delimiter
+	return err
+}
+
+// fieldByJSONName finds the field of struct t whose JSON name is exactly
+// name.
+func fieldByJSONName(t reflect.Type, name string) (reflect.Type, bool) {
+	for i := range t.NumField() {
+		f := t.Field(i)
+		if !f.IsExported() {
+			continue
+		}
+		tag, _, _ := strings.Cut(f.Tag.Get("json"), ",")
+		if tag == "-" {
+			continue
+		}
+		if tag == "" {
+			tag = f.Name
+		}
+		if tag == name {
+			return f.Type, true
+		}
+	}
+	return nil, false
 }
 
 // bodyError turns a decoding error into a clear InvalidArgument error.
@@ -102,35 +192,4 @@ func describeStart(b byte) string {
 		return "a number"
 	}
 	return fmt.Sprintf("%q", rune(b))
-}
-
-// peekReader lets decodeStrict look at the first non-space byte and then
-// read everything again.
-type peekReader struct {
-	r    io.Reader
-	head []byte
-}
-
-func (p *peekReader) firstNonSpace() (byte, error) {
-	buf := make([]byte, 512)
-	for {
-		n, err := p.r.Read(buf)
-		// Leading white space is dropped as it comes: JSON ignores it.
-		if t := bytes.TrimLeft(buf[:n], " \t\r\n"); len(t) > 0 {
-			p.head = append(p.head, t...)
-			return t[0], nil
-		}
-		if err != nil {
-			return 0, err
-		}
-	}
-}
-
-func (p *peekReader) Read(b []byte) (int, error) {
-	if len(p.head) > 0 {
-		n := copy(b, p.head)
-		p.head = p.head[n:]
-		return n, nil
-	}
-	return p.r.Read(b)
 }

@@ -66,8 +66,12 @@ func forkSpec(req *apiv1.CreateSandboxesRequest, maxN int) (sandbox.ForkSpec, er
 	if err := validateNetwork(req.Network); err != nil {
 		return spec, err
 	}
+	md := req.Metadata
+	if len(md) == 0 {
+		md = nil
+	}
 	spec = sandbox.ForkSpec{
-		Tag: req.SnapshotTag, N: n, Metadata: req.Metadata, KeepPartial: req.KeepPartial,
+		Tag: req.SnapshotTag, N: n, Metadata: md, KeepPartial: req.KeepPartial,
 		Timeout: time.Duration(req.TimeoutSecs) * time.Second,
 	}
 	if req.MemoryLimitMiB != 0 || req.Network != nil {

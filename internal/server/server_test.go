@@ -26,9 +26,9 @@ import (
 // everything the API does before a VM would start.
 type noVMs struct{}
 
-func (noVMs) Name() string                                { return "none" }
-func (noVMs) Version(context.Context) (string, error)     { return "0", nil }
-func (noVMs) Capabilities() vmm.Capabilities              { return vmm.Capabilities{Accelerator: "none"} }
+func (noVMs) Name() string                            { return "none" }
+func (noVMs) Version(context.Context) (string, error) { return "0", nil }
+func (noVMs) Capabilities() vmm.Capabilities          { return vmm.Capabilities{Accelerator: "none"} }
 func (noVMs) Boot(context.Context, vmm.BootSpec) (vmm.Machine, error) {
 	return nil, errdefs.NotImplemented("no VMs here")
 }

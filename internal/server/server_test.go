@@ -57,7 +57,7 @@ type daemon struct {
 	done   chan error
 }
 
-func startDaemon(t testing.TB, be vmm.Backend, tune func(*sandbox.Config, *Config)) *daemon {
+func startDaemon(t testing.TB, be vmm.Backend, lim sandbox.Limits, tune func(*sandbox.Config, *Config)) *daemon {
 	t.Helper()
 	data := t.TempDir()
 	ecfg := sandbox.Config{DataDir: data, Backend: be, Daemon: true, MaxChildren: 50,
@@ -75,6 +75,7 @@ func startDaemon(t testing.TB, be vmm.Backend, tune func(*sandbox.Config, *Confi
 	}
 	d := &daemon{e: e, data: data, audit: &lockedBuffer{}, done: make(chan error, 1)}
 	scfg.Engine = e
+	scfg.Admitter = sandbox.NewAdmitter(e, lim)
 	if scfg.Expirer == nil {
 		scfg.Expirer = sandbox.NewExpirer(e)
 	}
@@ -181,7 +182,7 @@ func apiError(t testing.TB, b []byte) apiv1.Error {
 }
 
 func TestAuth(t *testing.T) {
-	d := startDaemon(t, noVMs{}, nil)
+	d := startDaemon(t, noVMs{}, sandbox.Limits{}, nil)
 	if code, b := d.call(t, "GET", "/healthz", "", nil); code != 200 || !strings.Contains(string(b), `"ok"`) {
 		t.Errorf("healthz without token: %d %s", code, b)
 	}
@@ -227,7 +228,7 @@ func TestAuth(t *testing.T) {
 }
 
 func TestNotFoundAndMethods(t *testing.T) {
-	d := startDaemon(t, noVMs{}, nil)
+	d := startDaemon(t, noVMs{}, sandbox.Limits{}, nil)
 	cases := []struct {
 		method, path string
 		status       int
@@ -268,7 +269,7 @@ func TestNotFoundAndMethods(t *testing.T) {
 }
 
 func TestHostileCreateChangesNothing(t *testing.T) {
-	d := startDaemon(t, noVMs{}, nil)
+	d := startDaemon(t, noVMs{}, sandbox.Limits{}, nil)
 	huge := `{"snapshot_tag":"base","metadata":{"k":"` + strings.Repeat("x", 10<<20) + `"}}`
 	cases := []struct {
 		name, body string
@@ -356,7 +357,7 @@ func manyKeys(n int) string {
 }
 
 func TestOpenAPIMatchesRoutes(t *testing.T) {
-	d := startDaemon(t, noVMs{}, nil)
+	d := startDaemon(t, noVMs{}, sandbox.Limits{}, nil)
 	code, b := d.call(t, "GET", "/v1/openapi.json", "", nil)
 	if code != 200 {
 		t.Fatalf("openapi.json: %d %s", code, b)
@@ -419,7 +420,7 @@ func mustJSON(v any) []byte {
 }
 
 func TestMetrics(t *testing.T) {
-	d := startDaemon(t, noVMs{}, nil)
+	d := startDaemon(t, noVMs{}, sandbox.Limits{}, nil)
 	d.call(t, "GET", "/v1/sandboxes", testToken, nil)
 	code, b := d.call(t, "GET", "/metrics", testToken, nil)
 	if code != 200 {

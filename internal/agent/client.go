@@ -23,6 +23,7 @@ import (
 	"net"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/forkd/forkd/internal/agent/proto"
@@ -44,6 +45,11 @@ type Client struct {
 	w    *proto.Writer
 	log  *slog.Logger
 	ack  proto.HelloAck
+
+	// owed is the connection credit (proto.ConnWindow) read but not yet
+	// returned to the agent; ackWake asks ackLoop to return it.
+	owed    atomic.Int64
+	ackWake chan struct{}
 
 	mu     sync.Mutex
 	nextID uint32           // guarded by mu
@@ -72,11 +78,12 @@ func Dial(ctx context.Context, conn net.Conn, opts Options) (*Client, error) {
 		log = slog.New(slog.DiscardHandler)
 	}
 	c := &Client{
-		conn:  conn,
-		w:     proto.NewWriter(conn),
-		log:   log,
-		calls: map[uint32]*call{},
-		done:  make(chan struct{}),
+		conn:    conn,
+		w:       proto.NewWriter(conn),
+		log:     log,
+		calls:   map[uint32]*call{},
+		done:    make(chan struct{}),
+		ackWake: make(chan struct{}, 1),
 	}
 	var nb [16]byte
 	rand.Read(nb[:])
@@ -118,6 +125,7 @@ func Dial(ctx context.Context, conn net.Conn, opts Options) (*Client, error) {
 
 	r := proto.NewReader(conn)
 	var asm proto.Assembler
+	var nextSeq uint32
 	for {
 		f, err := r.Next()
 		if err != nil {
@@ -141,13 +149,15 @@ func Dial(ctx context.Context, conn net.Conn, opts Options) (*Client, error) {
 			return fail(fmt.Errorf("agent handshake: %w", err))
 		}
 		c.ack = ack
+		nextSeq = f.Seq + 1
 		break
 	}
 	endHello()
 	if !stop() {
 		return fail(nil) // ctx ended just now and closed conn
 	}
-	go c.readLoop(r)
+	go c.readLoop(r, nextSeq)
+	go c.ackLoop()
 	return c, nil
 }
 
@@ -213,13 +223,30 @@ func (c *Client) stop(err error) {
 	}
 }
 
-func (c *Client) readLoop(r *proto.Reader) {
+// readLoop reads the agent's frames and dispatches them to calls; it never
+// blocks on a call's consumer, so the connection credit it returns flows
+// whatever the callers do. A gap in the agent's sequence numbers (a
+// virtconsole dropped bytes) ends the client.
+func (c *Client) readLoop(r *proto.Reader, nextSeq uint32) {
 	var asm proto.Assembler
 	for {
 		f, err := r.Next()
 		if err != nil {
 			c.stop(errdefs.Unavailable("agent connection lost: %v", err))
 			return
+		}
+		if f.Seq != nextSeq {
+			c.stop(errdefs.Unavailable("agent channel lost data: frame %d arrived, %d expected", f.Seq, nextSeq))
+			return
+		}
+		nextSeq++
+		if f.Type != proto.TypeHelloAck {
+			if c.owed.Add(int64(proto.FrameCost(len(f.Payload)))) >= proto.ConnWindow/4 {
+				select {
+				case c.ackWake <- struct{}{}:
+				default:
+				}
+			}
 		}
 		switch f.Type {
 		case proto.TypeResult, proto.TypeEvent:
@@ -250,6 +277,24 @@ func (c *Client) readLoop(r *proto.Reader) {
 		}
 		f.Payload = append([]byte(nil), f.Payload...)
 		cl.q.Push(f)
+	}
+}
+
+// ackLoop returns connection credit to the agent, apart from readLoop so
+// that a blocked write never stalls reading.
+func (c *Client) ackLoop() {
+	for {
+		select {
+		case <-c.ackWake:
+		case <-c.done:
+			return
+		}
+		if n := c.owed.Swap(0); n > 0 {
+			if err := c.w.WriteFrame(proto.Frame{Type: proto.TypeWindow, Payload: proto.WindowPayload(uint32(n))}); err != nil {
+				c.stop(errdefs.Unavailable("agent connection lost: %v", err))
+				return
+			}
+		}
 	}
 }
 

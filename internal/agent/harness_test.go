@@ -8,6 +8,7 @@ import (
 	"os/exec"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -17,8 +18,9 @@ import (
 )
 
 // chardev models QEMU's socket chardev behind a virtconsole: the guest's
-// stream never ends, hosts connect and disconnect over unix sockets, and
-// what the guest writes while no host is connected is lost.
+// stream never ends, hosts connect and disconnect over unix sockets, what
+// the guest writes while no host is connected is lost, and so is what the
+// host's socket cannot take at once (QEMU drops console output on EAGAIN).
 type chardev struct {
 	t       *testing.T
 	toGuest *os.File // the test writes what the guest reads
@@ -26,6 +28,10 @@ type chardev struct {
 	host    *os.File // guarded by mu; the relay's end of the connected host's socket
 	agent   *guest.Agent
 	sys     *fakeSystem
+	// dropped counts guest bytes the host's socket could not take.
+	dropped atomic.Int64
+	// dropNext, when set, drops the next chunk of guest output whole.
+	dropNext atomic.Bool
 }
 
 // guestStream is the guest's side: reads from one pipe, writes to another,
@@ -102,23 +108,43 @@ func startGuest(t *testing.T, cfg guest.Config) *chardev {
 	return cd
 }
 
-// relayOut copies the guest's output to the connected host, if any.
+// relayOut copies the guest's output to the connected host, if any, in
+// chunks of at most a page like the virtio console, with non-blocking
+// writes whose excess is dropped.
 func (cd *chardev) relayOut(r *os.File) {
-	buf := make([]byte, 64<<10)
+	buf := make([]byte, 4096)
 	for {
 		n, err := r.Read(buf)
 		if n > 0 {
 			cd.mu.Lock()
 			h := cd.host
 			cd.mu.Unlock()
-			if h != nil {
-				h.Write(buf[:n])
+			if h != nil && !cd.dropNext.CompareAndSwap(true, false) {
+				cd.dropped.Add(int64(n - writeNonBlocking(h, buf[:n])))
 			}
 		}
 		if err != nil {
 			return
 		}
 	}
+}
+
+// writeNonBlocking writes what f takes without waiting and returns how
+// much that was.
+func writeNonBlocking(f *os.File, p []byte) int {
+	rc, err := f.SyscallConn()
+	if err != nil {
+		return 0
+	}
+	written := 0
+	rc.Write(func(fd uintptr) bool {
+		n, err := syscall.Write(int(fd), p)
+		if err == nil && n > 0 {
+			written = n
+		}
+		return true
+	})
+	return written
 }
 
 // connect attaches a new host and returns its connection.

@@ -3,11 +3,17 @@ package agent_test
 import (
 	"bytes"
 	"context"
+	"crypto/rand"
+	"crypto/sha256"
 	"encoding/json"
 	"errors"
+	"fmt"
+	"io"
 	"net"
 	"os"
+	"path/filepath"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -437,5 +443,87 @@ func TestNoStaleFramesAfterNewHello(t *testing.T) {
 	var ping proto.PingResult
 	if res.Error != nil || json.Unmarshal(res.Result, &ping) != nil || ping.ProtocolVersion != 1 {
 		t.Fatalf("ping result %s", f.Payload)
+	}
+}
+
+// slowConn is a host that reads slowly, so that the guest's output backs up
+// into the chardev, which drops what the socket cannot take.
+type slowConn struct{ net.Conn }
+
+func (s slowConn) Read(p []byte) (int, error) {
+	time.Sleep(2 * time.Millisecond)
+	return s.Conn.Read(p[:min(len(p), 4096)])
+}
+
+// However slowly the host reads, the agent never has more in flight than
+// the console can hold, so nothing is dropped.
+func TestSlowHostLosesNothing(t *testing.T) {
+	cd := startGuest(t, guest.Config{})
+	ctx := testCtx(t)
+	c, err := agent.Dial(ctx, slowConn{cd.connect()}, agent.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	data := make([]byte, 4<<20)
+	rand.Read(data)
+	path := filepath.Join(t.TempDir(), "f")
+	os.WriteFile(path, data, 0o600)
+	h := sha256.New()
+	var wg sync.WaitGroup
+	errs := make(chan error, 3)
+	wg.Add(3) // a file and two outputs at once, all competing for the console
+	go func() {
+		defer wg.Done()
+		if _, err := c.ReadFile(ctx, path, h); err != nil {
+			errs <- err
+		}
+	}()
+	for range 2 {
+		go func() {
+			defer wg.Done()
+			var out bytes.Buffer
+			if _, err := c.Exec(ctx, agent.ExecRequest{Shell: "head -c 1000000 /dev/zero", Stdout: &out}); err != nil {
+				errs <- err
+			} else if out.Len() != 1000000 {
+				errs <- fmt.Errorf("exec output %d bytes", out.Len())
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Error(err)
+	}
+	if want := sha256.Sum256(data); !bytes.Equal(h.Sum(nil), want[:]) {
+		t.Error("file changed on the way")
+	}
+	if n := cd.dropped.Load(); n != 0 {
+		t.Errorf("the console dropped %d bytes", n)
+	}
+}
+
+// Bytes the console drops anyway are detected: the client ends with an
+// unavailable error instead of handing out damaged data.
+func TestLostFrameDetected(t *testing.T) {
+	cd := startGuest(t, guest.Config{})
+	c := cd.dial()
+	ctx := testCtx(t)
+	if _, err := c.Ping(ctx); err != nil {
+		t.Fatal(err)
+	}
+	cd.dropNext.Store(true)
+	_, err := c.Exec(ctx, agent.ExecRequest{Shell: "head -c 300000 /dev/zero", Stdout: io.Discard})
+	if !errdefs.IsUnavailable(err) || !strings.Contains(err.Error(), "lost data") {
+		t.Fatalf("exec across a lossy console = %v", err)
+	}
+	select {
+	case <-c.Done():
+	default:
+		t.Fatal("client still running after losing data")
+	}
+	// A new session works.
+	if _, err := cd.dial().Ping(ctx); err != nil {
+		t.Fatal(err)
 	}
 }

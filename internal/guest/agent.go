@@ -145,6 +145,8 @@ func (a *Agent) features() []string {
 // included), which it returns. Requests run under ctx.
 func (a *Agent) Serve(ctx context.Context, rw io.ReadWriter) error {
 	c := &conn{a: a, ctx: ctx, w: proto.NewWriter(rw)}
+	c.w.SplitSize = proto.GuestMaxPayload
+	c.w.Charge = c.charge
 	r := proto.NewReader(rw)
 	r.PartialTimeout = a.cfg.PartialTimeout
 	defer func() {
@@ -177,11 +179,34 @@ type session struct {
 	nonce  string
 	ctx    context.Context
 	cancel context.CancelFunc
+	// credit is the session's share of proto.ConnWindow.
+	credit *proto.Credit
 	mu     sync.Mutex
 	reqs   map[uint32]*request // guarded by mu
 }
 
-func (s *session) end() { s.cancel() }
+// charge takes a frame's cost from the current session's connection
+// credit (proto.ConnWindow), waiting for the host to return some. It runs
+// with the writer's lock held, so the current session cannot change under
+// it; a new hello ends the session first, which releases a waiting writer.
+func (c *conn) charge(f proto.Frame) error {
+	if f.Type == proto.TypeHelloAck {
+		return nil
+	}
+	s := c.cur.Load()
+	if s == nil {
+		return nil
+	}
+	if err := s.credit.TakeAll(s.ctx, proto.FrameCost(len(f.Payload))); err != nil {
+		return errStale
+	}
+	return nil
+}
+
+func (s *session) end() {
+	s.cancel()
+	s.credit.Close(errStale)
+}
 
 func (s *session) get(id uint32) *request {
 	s.mu.Lock()
@@ -240,6 +265,12 @@ func (c *conn) dispatch(f proto.Frame) {
 		if s == nil {
 			return
 		}
+		if f.Type == proto.TypeWindow && f.ID == 0 {
+			if n, err := proto.ParseWindow(f.Payload); err == nil {
+				s.credit.Add(int(n))
+			}
+			return
+		}
 		r := s.get(f.ID)
 		if r == nil {
 			return
@@ -276,19 +307,39 @@ func (c *conn) hello(msg []byte) {
 		return
 	}
 	b, _ := json.Marshal(ack)
-	var old *session
+	cur := c.cur.Load()
+	if cur != nil && cur.nonce == h.Nonce {
+		// The same host again: acknowledge within its session, without
+		// holding up this reader behind a writer waiting for credit.
+		go func() {
+			err := c.w.Locked(func(fw proto.FrameWriter) error {
+				if c.cur.Load() != cur {
+					return errStale
+				}
+				return fw.WriteMessage(proto.TypeHelloAck, 0, b)
+			})
+			if err != nil && !errors.Is(err, errStale) {
+				c.a.log.Warn("write hello_ack", "err", err)
+			}
+		}()
+		return
+	}
+	// End the old session first: that cancels its requests and releases a
+	// writer waiting for the old host's credit, so the lock comes free.
+	if cur != nil {
+		cur.end()
+	}
+	ctx, cancel := context.WithCancel(c.ctx)
+	s := &session{
+		nonce: h.Nonce, ctx: ctx, cancel: cancel,
+		credit: proto.NewCredit(proto.ConnWindow),
+		reqs:   map[uint32]*request{},
+	}
 	err := c.w.Locked(func(fw proto.FrameWriter) error {
-		cur := c.cur.Load()
-		if cur == nil || cur.nonce != h.Nonce {
-			ctx, cancel := context.WithCancel(c.ctx)
-			c.cur.Store(&session{nonce: h.Nonce, ctx: ctx, cancel: cancel, reqs: map[uint32]*request{}})
-			old = cur
-		}
+		c.cur.Store(s)
+		fw.ResetSeq()
 		return fw.WriteMessage(proto.TypeHelloAck, 0, b)
 	})
-	if old != nil {
-		old.end()
-	}
 	if err != nil {
 		c.a.log.Warn("write hello_ack", "err", err)
 	}
@@ -381,7 +432,7 @@ func (r *request) sendData(ctx context.Context, st proto.Stream, p []byte, eof b
 		n := 0
 		if len(p) > 0 {
 			var err error
-			if n, err = r.credit.Take(ctx, min(len(p), proto.MaxPayload)); err != nil {
+			if n, err = r.credit.Take(ctx, min(len(p), proto.GuestMaxPayload)); err != nil {
 				return err
 			}
 		}

@@ -46,6 +46,31 @@ func (c *Credit) Take(ctx context.Context, max int) (int, error) {
 	}
 }
 
+// TakeAll waits until n bytes of credit are available and takes them. It
+// fails when ctx ends or the Credit is closed.
+func (c *Credit) TakeAll(ctx context.Context, n int) error {
+	for {
+		c.mu.Lock()
+		if c.err != nil {
+			err := c.err
+			c.mu.Unlock()
+			return err
+		}
+		if c.n >= int64(n) {
+			c.n -= int64(n)
+			c.mu.Unlock()
+			return nil
+		}
+		wake := c.wake
+		c.mu.Unlock()
+		select {
+		case <-wake:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+}
+
 // Add returns n bytes of credit.
 func (c *Credit) Add(n int) {
 	c.mu.Lock()

@@ -9,10 +9,11 @@
 //	4      1    frame format version (FrameVersion)
 //	5      1    type (Type)
 //	6      2    flags (stream in the low nibble, FlagEOF, FlagMore)
-//	8      4    id: the request the frame belongs to (0 for hello)
-//	12     4    payload length, at most MaxPayload
-//	16     4    CRC32C (Castagnoli) over bytes 0..15 and the payload
-//	20     n    payload
+//	8      4    id: the request the frame belongs to (0: the connection)
+//	12     4    sequence number of the frame in its direction
+//	16     4    payload length, at most MaxPayload
+//	20     4    CRC32C (Castagnoli) over bytes 0..19 and the payload
+//	24     n    payload
 //
 // All integers are big-endian. A receiver scans for the magic, checks the
 // version, type and length bound, waits for the payload and checks the CRC;
@@ -25,6 +26,16 @@
 // controlled per request: each side may have at most InitialWindow bytes of
 // data unacknowledged per request and direction; the receiver returns credit
 // with Window frames as it consumes data (Credit).
+//
+// The guest-to-host direction may lose bytes: QEMU's virtconsole drops what
+// the host's socket cannot take at once instead of applying backpressure.
+// So that it never has to, the agent keeps at most ConnWindow bytes (as
+// counted by FrameCost) of a session's frames, hello_ack excepted, in
+// flight; the host returns that credit with Window frames of id 0 as soon
+// as it has read frames, whoever consumes them. Every frame carries a
+// sequence number, counted per direction (the agent's from 0 at each
+// session's first hello_ack), so a receiver detects a lost frame instead of
+// misreading the stream.
 //
 // The protocol version (ProtocolVersion) is negotiated in hello; the frame
 // format itself never changes for hello and hello_ack, so two ends of
@@ -44,9 +55,18 @@ const (
 	// FrameVersion is the frame format version in byte 4 of every header.
 	FrameVersion = 1
 	// HeaderSize is the size of a frame header in bytes.
-	HeaderSize = 20
+	HeaderSize = 24
 	// MaxPayload bounds a frame's payload; larger data is chunked.
 	MaxPayload = 64 << 10
+	// GuestMaxPayload bounds the payload of the agent's frames, so that
+	// each fits ConnWindow with room to spare.
+	GuestMaxPayload = 16 << 10
+	// ConnWindow bounds the agent's bytes in flight per session (FrameCost),
+	// well under a host socket's default send buffer (208 KiB on Linux),
+	// which also pays for each write's bookkeeping.
+	ConnWindow = 64 << 10
+	// FrameOverhead is what FrameCost adds per frame for that bookkeeping.
+	FrameOverhead = 512
 	// MaxMessage bounds a reassembled JSON message.
 	MaxMessage = 16 << 20
 	// InitialWindow is the data credit each side starts with per request and
@@ -72,7 +92,8 @@ const (
 	// TypeData (H, G): raw bytes of the stream in the flags' low nibble.
 	TypeData Type = 6
 	// TypeWindow (H, G): 4-byte credit increment for request id's data in
-	// the opposite direction.
+	// the opposite direction; with id 0 (H only), for the connection
+	// (ConnWindow).
 	TypeWindow Type = 7
 	// TypeCancel (H): cancel request id; the guest still ends it with a
 	// result, which the host may ignore.
@@ -125,13 +146,17 @@ const (
 )
 
 // Frame is one decoded frame. A Payload returned by Reader.Next aliases the
-// reader's buffer and is valid until the next call.
+// reader's buffer and is valid until the next call. Writer assigns Seq.
 type Frame struct {
 	Type    Type
 	Flags   uint16
 	ID      uint32
+	Seq     uint32
 	Payload []byte
 }
+
+// FrameCost is what a frame counts against ConnWindow.
+func FrameCost(payloadLen int) int { return HeaderSize + payloadLen + FrameOverhead }
 
 // Stream returns the stream of a data frame.
 func (f Frame) Stream() Stream { return Stream(f.Flags & FlagStreamMask) }
@@ -148,10 +173,11 @@ func putHeader(b []byte, f Frame) {
 	b[5] = byte(f.Type)
 	binary.BigEndian.PutUint16(b[6:8], f.Flags)
 	binary.BigEndian.PutUint32(b[8:12], f.ID)
-	binary.BigEndian.PutUint32(b[12:16], uint32(len(f.Payload)))
-	crc := crc32.Update(0, castagnoli, b[0:16])
+	binary.BigEndian.PutUint32(b[12:16], f.Seq)
+	binary.BigEndian.PutUint32(b[16:20], uint32(len(f.Payload)))
+	crc := crc32.Update(0, castagnoli, b[0:20])
 	crc = crc32.Update(crc, castagnoli, f.Payload)
-	binary.BigEndian.PutUint32(b[16:20], crc)
+	binary.BigEndian.PutUint32(b[20:24], crc)
 }
 
 // AppendFrame appends f's encoding to b. It fails if the payload exceeds
@@ -166,7 +192,7 @@ func AppendFrame(b []byte, f Frame) ([]byte, error) {
 	n := len(b)
 	b = append(b, make([]byte, HeaderSize)...)
 	b = append(b, f.Payload...)
-	putHeader(b[n:n+HeaderSize], Frame{Type: f.Type, Flags: f.Flags, ID: f.ID, Payload: b[n+HeaderSize:]})
+	putHeader(b[n:n+HeaderSize], Frame{Type: f.Type, Flags: f.Flags, ID: f.ID, Seq: f.Seq, Payload: b[n+HeaderSize:]})
 	return b, nil
 }
 
@@ -175,6 +201,7 @@ type header struct {
 	typ    Type
 	flags  uint16
 	id     uint32
+	seq    uint32
 	length int
 	crc    uint32
 }
@@ -186,8 +213,9 @@ func parseHeader(b []byte) (header, bool) {
 		typ:    Type(b[5]),
 		flags:  binary.BigEndian.Uint16(b[6:8]),
 		id:     binary.BigEndian.Uint32(b[8:12]),
-		length: int(binary.BigEndian.Uint32(b[12:16])),
-		crc:    binary.BigEndian.Uint32(b[16:20]),
+		seq:    binary.BigEndian.Uint32(b[12:16]),
+		length: int(binary.BigEndian.Uint32(b[16:20])),
+		crc:    binary.BigEndian.Uint32(b[20:24]),
 	}
 	if b[4] != FrameVersion || !h.typ.valid() || h.length > MaxPayload {
 		return h, false
@@ -197,7 +225,7 @@ func parseHeader(b []byte) (header, bool) {
 
 // checkCRC verifies the CRC of a complete frame b (header and payload).
 func checkCRC(b []byte, h header) bool {
-	crc := crc32.Update(0, castagnoli, b[0:16])
+	crc := crc32.Update(0, castagnoli, b[0:20])
 	crc = crc32.Update(crc, castagnoli, b[HeaderSize:HeaderSize+h.length])
 	return crc == h.crc
 }

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"os"
 	"testing"
@@ -25,7 +26,7 @@ func TestReaderSkipsGarbageAndBadFrames(t *testing.T) {
 	corrupt := mustFrame(t, Frame{Type: TypeData, ID: 3, Payload: []byte("corrupt me")})
 	corrupt[len(corrupt)-1] ^= 0xFF
 	tooLong := mustFrame(t, Frame{Type: TypeData, ID: 4})
-	tooLong[12], tooLong[13] = 0xFF, 0xFF // length far over MaxPayload
+	tooLong[16], tooLong[17] = 0xFF, 0xFF // length far over MaxPayload
 
 	var s []byte
 	s = append(s, "login: \x1b[0m garbage"...)
@@ -184,5 +185,44 @@ func TestCheckVersions(t *testing.T) {
 	err := CheckVersions(1, 1, 3, 2)
 	if err == nil || !bytes.Contains([]byte(err.Error()), []byte("host speaks v1")) || !bytes.Contains([]byte(err.Error()), []byte("agent speaks v3")) {
 		t.Fatalf("mismatch error = %v", err)
+	}
+}
+
+func TestWriterNumbersAndCharges(t *testing.T) {
+	var buf bytes.Buffer
+	w := NewWriter(&buf)
+	w.SplitSize = 10
+	var charged []int
+	w.Charge = func(f Frame) error {
+		charged = append(charged, FrameCost(len(f.Payload)))
+		if f.ID == 99 {
+			return errors.New("no credit")
+		}
+		return nil
+	}
+	w.WriteMessage(TypeResult, 1, bytes.Repeat([]byte{'x'}, 25)) // 3 frames
+	w.Locked(func(fw FrameWriter) error {
+		fw.ResetSeq()
+		return fw.WriteFrame(Frame{Type: TypeHelloAck})
+	})
+	if err := w.WriteFrame(Frame{Type: TypeEvent, ID: 99}); err == nil {
+		t.Fatal("a refused charge wrote the frame")
+	}
+	w.WriteFrame(Frame{Type: TypeEvent, ID: 2})
+	r := NewReader(&buf)
+	var got []string
+	for {
+		f, err := r.Next()
+		if err != nil {
+			break
+		}
+		got = append(got, fmt.Sprintf("%s/%d/%d/%d", f.Type, f.ID, f.Seq, len(f.Payload)))
+	}
+	want := []string{"result/1/0/10", "result/1/1/10", "result/1/2/5", "hello_ack/0/0/0", "event/2/1/0"}
+	if fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Fatalf("frames %v, want %v", got, want)
+	}
+	if len(charged) != 6 || charged[0] != HeaderSize+10+FrameOverhead {
+		t.Fatalf("charged %v", charged)
 	}
 }

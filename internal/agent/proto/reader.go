@@ -106,7 +106,7 @@ func (r *Reader) Next() (Frame, error) {
 				}
 				r.start += n
 				r.cand = -1
-				return Frame{Type: h.typ, Flags: h.flags, ID: h.id, Payload: data[HeaderSize:n:n]}, nil
+				return Frame{Type: h.typ, Flags: h.flags, ID: h.id, Seq: h.seq, Payload: data[HeaderSize:n:n]}, nil
 			}
 		}
 		// The candidate is incomplete: wait for more, but not forever.

@@ -9,11 +9,19 @@ import (
 
 // Writer serialises frames onto a stream: every frame, and every message
 // split over several frames, is written whole and never interleaved with
-// another. Safe for concurrent use.
+// another. It numbers the frames it writes. Safe for concurrent use.
 type Writer struct {
+	// SplitSize is the largest payload WriteMessage puts in one frame
+	// (MaxPayload when zero). Set before use.
+	SplitSize int
+	// Charge, when set, is called with the lock held before each frame is
+	// written; an error from it aborts the write. Set before use.
+	Charge func(Frame) error
+
 	mu  sync.Mutex
 	w   io.Writer
 	buf []byte // guarded by mu
+	seq uint32 // guarded by mu; the next frame's sequence number
 }
 
 // NewWriter returns a Writer on w.
@@ -23,6 +31,8 @@ func NewWriter(w io.Writer) *Writer { return &Writer{w: w} }
 type FrameWriter interface {
 	WriteFrame(Frame) error
 	WriteMessage(t Type, id uint32, payload []byte) error
+	// ResetSeq numbers the next frame 0.
+	ResetSeq()
 }
 
 // locked is the FrameWriter handed out under the lock.
@@ -32,6 +42,7 @@ func (l locked) WriteFrame(f Frame) error { return l.w.writeFrameLocked(f) }
 func (l locked) WriteMessage(t Type, id uint32, payload []byte) error {
 	return l.w.writeMessageLocked(t, id, payload)
 }
+func (l locked) ResetSeq() { l.w.seq = 0 }
 
 // Locked runs fn with the writer's lock held, so that a check made in fn
 // and the frames fn writes are atomic with respect to every other write.
@@ -66,11 +77,18 @@ func (w *Writer) WriteJSON(t Type, id uint32, v any) error {
 }
 
 func (w *Writer) writeFrameLocked(f Frame) error {
+	if w.Charge != nil {
+		if err := w.Charge(f); err != nil {
+			return err
+		}
+	}
+	f.Seq = w.seq
 	b, err := AppendFrame(w.buf[:0], f)
 	if err != nil {
 		return err
 	}
 	w.buf = b
+	w.seq++
 	_, err = w.w.Write(b)
 	return err
 }
@@ -79,8 +97,12 @@ func (w *Writer) writeMessageLocked(t Type, id uint32, payload []byte) error {
 	if len(payload) > MaxMessage {
 		return fmt.Errorf("%s message of %d bytes exceeds %d", t, len(payload), MaxMessage)
 	}
+	split := w.SplitSize
+	if split <= 0 || split > MaxPayload {
+		split = MaxPayload
+	}
 	for {
-		n := min(len(payload), MaxPayload)
+		n := min(len(payload), split)
 		f := Frame{Type: t, ID: id, Payload: payload[:n]}
 		if n < len(payload) {
 			f.Flags = FlagMore

@@ -1,0 +1,371 @@
+package guest
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"os"
+	"path/filepath"
+	"sort"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/forkd/forkd/internal/agent/proto"
+	"github.com/forkd/forkd/internal/errdefs"
+	"golang.org/x/sys/unix"
+)
+
+const (
+	// drainGrace is how long output is still read after a process exits
+	// while its pipes stay open (a grandchild holding them) and idle.
+	drainGrace = 250 * time.Millisecond
+	// ringSize is the recent output kept per stream of a background
+	// process.
+	ringSize = 64 << 10
+	// maxExited bounds how many ended processes the table remembers.
+	maxExited = 64
+	// chunkSize is the read size of output pumps.
+	chunkSize = 32 << 10
+)
+
+// command is a resolved ExecRequest.
+type command struct {
+	path string
+	argv []string
+	env  []string
+	dir  string
+	cred *syscall.Credential
+}
+
+// resolve validates req and finds the user, environment, directory and
+// executable.
+func (a *Agent) resolve(req *proto.ExecRequest) (*command, error) {
+	var argv []string
+	switch {
+	case req.Shell != "" && len(req.Args) > 0:
+		return nil, errdefs.InvalidArgument("exec: both args and shell given")
+	case req.Shell != "":
+		argv = []string{"/bin/sh", "-c", req.Shell}
+	case len(req.Args) > 0 && req.Args[0] != "":
+		argv = req.Args
+	default:
+		return nil, errdefs.InvalidArgument("exec: no command")
+	}
+	user := req.User
+	if user == "" {
+		user = strconv.Itoa(os.Geteuid())
+	}
+	acct, err := lookupUser(a.cfg.Root, user)
+	if err != nil {
+		return nil, err
+	}
+	env := map[string]string{}
+	for _, kv := range a.cfg.Env {
+		if k, v, ok := strings.Cut(kv, "="); ok {
+			env[k] = v
+		}
+	}
+	env["HOME"] = acct.home
+	env["USER"] = acct.name
+	env["LOGNAME"] = acct.name
+	for k, v := range req.Env {
+		if k == "" || strings.ContainsAny(k, "=\x00") || strings.Contains(v, "\x00") {
+			return nil, errdefs.InvalidArgument("exec: bad environment variable %q", k)
+		}
+		env[k] = v
+	}
+	dir := req.Dir
+	if dir == "" {
+		dir = "/"
+		if st, err := os.Stat(acct.home); err == nil && st.IsDir() {
+			dir = acct.home
+		}
+	} else {
+		if !filepath.IsAbs(dir) {
+			return nil, errdefs.InvalidArgument("exec: working directory %q is not absolute", dir)
+		}
+		st, err := os.Stat(dir)
+		if err != nil {
+			return nil, pathError("exec: working directory", dir, err)
+		}
+		if !st.IsDir() {
+			return nil, errdefs.InvalidArgument("exec: working directory %q is not a directory", dir)
+		}
+	}
+	env["PWD"] = dir
+	path, err := lookPath(argv[0], env["PATH"], dir)
+	if err != nil {
+		return nil, err
+	}
+	envList := make([]string, 0, len(env))
+	for k, v := range env {
+		envList = append(envList, k+"="+v)
+	}
+	sort.Strings(envList)
+	return &command{path: path, argv: argv, env: envList, dir: dir, cred: acct.credential()}, nil
+}
+
+// lookPath finds an executable like a shell does, with the child's PATH.
+func lookPath(file, pathEnv, dir string) (string, error) {
+	if strings.Contains(file, "/") {
+		p := file
+		if !filepath.IsAbs(p) {
+			p = filepath.Join(dir, p)
+		}
+		if err := executable(p); err != nil {
+			return "", pathError("exec", file, err)
+		}
+		return p, nil
+	}
+	for _, d := range filepath.SplitList(pathEnv) {
+		if d == "" {
+			d = "."
+		}
+		if !filepath.IsAbs(d) {
+			d = filepath.Join(dir, d)
+		}
+		p := filepath.Join(d, file)
+		if executable(p) == nil {
+			return p, nil
+		}
+	}
+	return "", errdefs.NotFound("exec: %q not found in PATH", file)
+}
+
+func executable(p string) error {
+	st, err := os.Stat(p)
+	if err != nil {
+		return err
+	}
+	if st.IsDir() || st.Mode()&0o111 == 0 {
+		return syscall.EACCES
+	}
+	return nil
+}
+
+// spawn starts cmd in a new session (so that its process group can be
+// killed as one) with the given standard files.
+func (a *Agent) spawn(cmd *command, stdin, stdout, stderr *os.File) (int, <-chan exitStatus, error) {
+	attr := &syscall.ProcAttr{
+		Dir:   cmd.dir,
+		Env:   cmd.env,
+		Files: []uintptr{stdin.Fd(), stdout.Fd(), stderr.Fd()},
+		Sys:   &syscall.SysProcAttr{Setsid: true, Credential: cmd.cred},
+	}
+	pid, done, err := a.reaper.start(func() (int, error) {
+		return syscall.ForkExec(cmd.path, cmd.argv, attr)
+	})
+	if err != nil {
+		return 0, nil, pathError("exec", cmd.argv[0], err)
+	}
+	return pid, done, nil
+}
+
+// stdio holds the agent's ends of a process's standard streams.
+type stdio struct {
+	stdin          *os.File // nil when the child has /dev/null
+	stdout, stderr *os.File
+}
+
+// startWithPipes starts cmd with pipes for stdout and stderr, and for stdin
+// when wantStdin.
+func (a *Agent) startWithPipes(cmd *command, wantStdin bool) (int, <-chan exitStatus, *stdio, error) {
+	var parent stdio
+	var child []*os.File
+	closeAll := func(fs ...*os.File) {
+		for _, f := range fs {
+			if f != nil {
+				f.Close()
+			}
+		}
+	}
+	var in *os.File
+	if wantStdin {
+		r, w, err := os.Pipe()
+		if err != nil {
+			return 0, nil, nil, err
+		}
+		in, parent.stdin = r, w
+	} else {
+		f, err := os.Open(os.DevNull)
+		if err != nil {
+			return 0, nil, nil, err
+		}
+		in = f
+	}
+	child = append(child, in)
+	or, ow, err := os.Pipe()
+	if err != nil {
+		closeAll(append(child, parent.stdin)...)
+		return 0, nil, nil, err
+	}
+	er, ew, err := os.Pipe()
+	if err != nil {
+		closeAll(append(child, parent.stdin, or, ow)...)
+		return 0, nil, nil, err
+	}
+	child = append(child, ow, ew)
+	parent.stdout, parent.stderr = or, er
+	pid, done, err := a.spawn(cmd, in, ow, ew)
+	closeAll(child...)
+	if err != nil {
+		closeAll(parent.stdin, parent.stdout, parent.stderr)
+		return 0, nil, nil, err
+	}
+	return pid, done, &parent, nil
+}
+
+// pump copies f to out until EOF, or, once exited is closed, until f stays
+// idle for drainGrace. Errors from out stop the copying but not the
+// draining, so the writer never blocks on a full pipe.
+func pump(f *os.File, exited <-chan struct{}, out func([]byte) error) {
+	buf := make([]byte, chunkSize)
+	failed := false
+	for {
+		select {
+		case <-exited:
+			f.SetReadDeadline(time.Now().Add(drainGrace))
+		default:
+		}
+		n, err := f.Read(buf)
+		if n > 0 && !failed {
+			failed = out(buf[:n]) != nil
+		}
+		if err != nil {
+			return
+		}
+	}
+}
+
+// result builds an ExecResult from a wait status.
+func result(pid int, st exitStatus, start time.Time, timedOut bool) *proto.ExecResult {
+	res := &proto.ExecResult{
+		PID:        pid,
+		TimedOut:   timedOut,
+		DurationMS: time.Since(start).Milliseconds(),
+	}
+	switch {
+	case st.err != nil:
+		res.ExitCode = -1
+	case st.ws.Signaled():
+		res.ExitCode = -1
+		res.Signal = unix.SignalName(st.ws.Signal())
+	default:
+		res.ExitCode = st.ws.ExitStatus()
+	}
+	return res
+}
+
+// killGroup signals pid's process group, and pid itself if the group is
+// gone (it left its session).
+func killGroup(pid int, sig syscall.Signal) error {
+	err := syscall.Kill(-pid, sig)
+	if errors.Is(err, syscall.ESRCH) {
+		err = syscall.Kill(pid, sig)
+	}
+	return err
+}
+
+func (a *Agent) exec(ctx context.Context, r *request, args json.RawMessage) (any, error) {
+	var req proto.ExecRequest
+	if err := decode(args, &req); err != nil {
+		return nil, err
+	}
+	cmd, err := a.resolve(&req)
+	if err != nil {
+		return nil, err
+	}
+	if req.Background {
+		return a.startBackground(cmd, &req)
+	}
+	start := time.Now()
+	pid, done, std, err := a.startWithPipes(cmd, req.Stdin)
+	if err != nil {
+		return nil, err
+	}
+	p := a.procs.add(&proc{pid: pid, args: cmd.argv, dir: cmd.dir, started: start, done: make(chan struct{})})
+	r.sendEvent(proto.Event{Kind: "started", PID: pid})
+
+	exited := make(chan struct{})
+	var wg sync.WaitGroup
+	for _, s := range []struct {
+		f  *os.File
+		st proto.Stream
+	}{{std.stdout, proto.StreamStdout}, {std.stderr, proto.StreamStderr}} {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			pump(s.f, exited, func(b []byte) error { return r.sendData(ctx, s.st, b, false) })
+		}()
+	}
+	feedCtx, stopFeed := context.WithCancel(ctx)
+	if std.stdin != nil {
+		go feedStdin(feedCtx, r, std.stdin)
+	}
+
+	var timeout <-chan time.Time
+	if req.Timeout > 0 {
+		t := time.NewTimer(req.Timeout)
+		defer t.Stop()
+		timeout = t.C
+	}
+	cancelled := ctx.Done()
+	timedOut := false
+	var st exitStatus
+wait:
+	for {
+		select {
+		case st = <-done:
+			break wait
+		case <-timeout:
+			timedOut = true
+			timeout = nil
+			killGroup(pid, syscall.SIGKILL)
+		case <-cancelled:
+			cancelled = nil
+			killGroup(pid, syscall.SIGKILL)
+		}
+	}
+	close(exited)
+	std.stdout.SetReadDeadline(time.Now().Add(drainGrace))
+	std.stderr.SetReadDeadline(time.Now().Add(drainGrace))
+	wg.Wait()
+	stopFeed()
+	std.stdout.Close()
+	std.stderr.Close()
+	if std.stdin != nil {
+		std.stdin.Close()
+	}
+	res := result(pid, st, start, timedOut)
+	a.procs.finish(p, *res, true)
+	if err := ctx.Err(); err != nil {
+		return nil, errdefs.Unavailable("exec: cancelled")
+	}
+	return res, nil
+}
+
+// feedStdin copies the host's stdin frames into w until the host's EOF,
+// returning credit as it goes; after a write error it keeps consuming so
+// that the host is never left without credit.
+func feedStdin(ctx context.Context, r *request, w *os.File) {
+	defer w.Close()
+	broken := false
+	for {
+		f, err := r.recvData(ctx)
+		if err != nil {
+			return
+		}
+		if len(f.Payload) > 0 && !broken {
+			if _, err := w.Write(f.Payload); err != nil {
+				broken = true
+			}
+		}
+		r.consumed(len(f.Payload))
+		if f.EOF() {
+			return
+		}
+	}
+}

@@ -346,9 +346,11 @@ func (c *Client) forget(cl *call) {
 	cl.credit.Close(errdefs.Unavailable("agent %s: call ended", cl.op))
 }
 
-// cancel tells the guest to abandon a call and forgets it.
+// cancel tells the guest to abandon a call and forgets it. The cancel
+// frame is written in the background so that a stuck connection cannot
+// hold up a caller whose context ended.
 func (c *Client) cancel(cl *call) {
-	c.w.WriteFrame(proto.Frame{Type: proto.TypeCancel, ID: cl.id})
+	go c.w.WriteFrame(proto.Frame{Type: proto.TypeCancel, ID: cl.id})
 	c.forget(cl)
 }
 

@@ -163,7 +163,10 @@ func (a *Agent) Serve(ctx context.Context, rw io.ReadWriter) error {
 	}
 }
 
-// conn is the agent's side of one stream.
+// conn is the agent's side of one stream. Its reading goroutine never
+// waits for the writer except to start a session (after ending the old
+// one): a write may wait for connection credit, which only that goroutine
+// can deliver.
 type conn struct {
 	a   *Agent
 	ctx context.Context
@@ -303,7 +306,7 @@ func (c *conn) hello(msg []byte) {
 	if err := proto.CheckVersions(h.Version, h.MinVersion, proto.ProtocolVersion, proto.MinProtocolVersion); err != nil {
 		c.a.log.Error("refused host", "err", err)
 		ack.Error = proto.ErrorOf(err)
-		c.writeJSON(proto.TypeHelloAck, 0, ack)
+		go c.writeJSON(proto.TypeHelloAck, 0, ack)
 		return
 	}
 	b, _ := json.Marshal(ack)
@@ -364,7 +367,7 @@ func (c *conn) request(id uint32, msg []byte) {
 	}
 	var req proto.Request
 	if err := json.Unmarshal(msg, &req); err != nil {
-		r.finish(nil, errdefs.InvalidArgument("request %d: %v", id, err))
+		go r.finish(nil, errdefs.InvalidArgument("request %d: %v", id, err))
 		return
 	}
 	r.op = req.Op

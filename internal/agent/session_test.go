@@ -527,3 +527,28 @@ func TestLostFrameDetected(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// A malformed request is answered with an invalid-argument error, an
+// unknown operation with not-implemented.
+func TestMalformedRequests(t *testing.T) {
+	cd := startGuest(t, guest.Config{})
+	h := newRawHost(t, cd.connect())
+	h.send(proto.TypeHello, 0, proto.Hello{Version: 1, MinVersion: 1, Nonce: "n"})
+	h.next(proto.TypeHelloAck)
+	if err := h.w.WriteMessage(proto.TypeRequest, 1, []byte("{not json")); err != nil {
+		t.Fatal(err)
+	}
+	h.send(proto.TypeRequest, 2, proto.Request{Op: "no.such.op"})
+	got := map[uint32]error{}
+	for len(got) < 2 {
+		f := h.next(proto.TypeResult)
+		var res proto.Result
+		if err := json.Unmarshal(f.Payload, &res); err != nil || res.Error == nil {
+			t.Fatalf("result %s", f.Payload)
+		}
+		got[f.ID] = res.Error.Err()
+	}
+	if !errdefs.IsInvalidArgument(got[1]) || !errdefs.IsNotImplemented(got[2]) {
+		t.Fatalf("errors %v", got)
+	}
+}

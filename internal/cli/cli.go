@@ -12,6 +12,7 @@ import (
 	"log/slog"
 	"os"
 	"os/signal"
+	"os/user"
 	"path/filepath"
 	"syscall"
 
@@ -146,6 +147,7 @@ func (g *globals) openEngine(tune func(*sandbox.Config)) (*sandbox.Engine, error
 		Binary:  envOr(g.qemuBin, "FORKD_QEMU", ""),
 		Accel:   envOr(g.accel, "FORKD_ACCEL", "auto"),
 		Machine: envOr(g.machine, "FORKD_MACHINE", ""),
+		Sandbox: os.Getenv("FORKD_QEMU_SECCOMP") != "0",
 	})
 	if err != nil {
 		return nil, err
@@ -155,6 +157,7 @@ func (g *globals) openEngine(tune func(*sandbox.Config)) (*sandbox.Engine, error
 		Backend:   be,
 		AgentPath: agentPath(),
 		CacheDir:  os.Getenv("FORKD_CACHE"),
+		VMMUser:   vmmUser(),
 		Progress:  g.stderr,
 		Logger:    g.logger(),
 	}
@@ -162,6 +165,31 @@ func (g *globals) openEngine(tune func(*sandbox.Config)) (*sandbox.Engine, error
 		tune(&cfg)
 	}
 	return sandbox.New(cfg)
+}
+
+// DefaultVMMUser is the system user QEMU processes drop to (see
+// packaging/sysusers.d/forkd.conf); "nobody" stands in where it is missing.
+const DefaultVMMUser = "forkd-vmm"
+
+// vmmUser picks the user VMMs run as: $FORKD_VMM_USER ("-" for none), else
+// forkd-vmm or nobody when we are root; as another user QEMU simply runs as
+// that user.
+func vmmUser() string {
+	if v := os.Getenv("FORKD_VMM_USER"); v != "" {
+		if v == "-" {
+			return ""
+		}
+		return v
+	}
+	if os.Geteuid() != 0 {
+		return ""
+	}
+	for _, u := range []string{DefaultVMMUser, "nobody"} {
+		if _, err := user.Lookup(u); err == nil {
+			return u
+		}
+	}
+	return ""
 }
 
 // agentPath finds the forkd-agent binary: $FORKD_AGENT, next to this

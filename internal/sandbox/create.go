@@ -104,6 +104,7 @@ func (e *Engine) CreateSnapshot(ctx context.Context, spec SnapshotSpec) (*snapsh
 		Cmdline:    img.Cmdline,
 		MemoryFile: w.MemoryPath(),
 		ConsoleLog: filepath.Join(w.Dir(), "console.log"),
+		Launch:     vmm.Launch{User: e.cfg.VMMUser},
 	}
 	if img.Rootfs != "" {
 		bootSpec.Disks = []vmm.Disk{{Path: img.Rootfs, ReadOnly: true}}

@@ -38,6 +38,9 @@ type Config struct {
 	AgentPath string
 	// CacheDir holds built images (default <DataDir>/cache).
 	CacheDir string
+	// VMMUser, if set, is the unprivileged user VMM processes drop to
+	// once they have opened their files.
+	VMMUser string
 	// MaxParallel bounds concurrent restores across all of the engine's
 	// forks (default 2 × CPU count).
 	MaxParallel int

@@ -168,6 +168,7 @@ func (e *Engine) forkOne(ctx context.Context, snap *snapshot.Snapshot, spec Fork
 		return fail(err)
 	}
 	rspec := vmm.RestoreSpec{
+		Launch:     vmm.Launch{User: e.cfg.VMMUser},
 		Name:       id,
 		RunDir:     sb.Handle.RunDir,
 		Config:     snap.Machine,

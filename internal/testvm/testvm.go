@@ -124,7 +124,7 @@ func Image(t testing.TB, name string) *image.Image {
 func Backend(t testing.TB) *qemu.Backend {
 	t.Helper()
 	Require(t)
-	be, err := qemu.New(qemu.Options{Accel: os.Getenv("FORKD_ACCEL")})
+	be, err := qemu.New(qemu.Options{Accel: os.Getenv("FORKD_ACCEL"), Sandbox: true})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -141,6 +141,7 @@ func Engine(t testing.TB) *sandbox.Engine {
 		CacheDir:  CacheDir(t),
 		Backend:   Backend(t),
 		AgentPath: AgentBinary(t),
+		VMMUser:   VMMUser(),
 		Progress:  testLog{t},
 		Logger:    slog.New(slog.NewTextHandler(testLog{t}, nil)),
 	})
@@ -165,3 +166,11 @@ func (l testLog) Write(p []byte) (int, error) {
 }
 
 var _ io.Writer = testLog{}
+
+// VMMUser is the unprivileged user VM tests run QEMU as when root.
+func VMMUser() string {
+	if os.Geteuid() != 0 {
+		return ""
+	}
+	return "nobody"
+}

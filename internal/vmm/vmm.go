@@ -150,12 +150,18 @@ type Launch struct {
 	NetNS string
 	// CgroupFD, if > 0, is a cgroup v2 directory fd the VMM starts in.
 	CgroupFD int
-	// CgroupProcs lists cgroup.procs files (v1) the VMM is placed into
-	// before it runs guest code.
-	CgroupProcs []string
-	// UID/GID, when non-zero, drop the VMM's privileges.
-	UID, GID uint32
+	// Enter are thread-bound steps (such as joining cgroup v1 groups by
+	// thread id) run on the locked OS thread that forks the VMM, after
+	// entering NetNS; each returns its undo, run once the VMM started.
+	Enter []EnterFunc
+	// User, if set, is the unprivileged user the VMM drops to once it has
+	// opened its files, before it runs guest code.
+	User string
 }
+
+// EnterFunc moves the calling (locked) OS thread into some host context
+// and returns how to move it back.
+type EnterFunc func() (restore func() error, err error)
 
 // BootSpec describes a fresh VM.
 type BootSpec struct {

@@ -25,6 +25,7 @@ import (
 	"time"
 
 	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/netns"
 	"github.com/forkd/forkd/internal/vmm"
 )
 
@@ -38,7 +39,8 @@ type Options struct {
 	Machine string
 	// TBSizeMiB is the TCG translation cache per VM (default 16).
 	TBSizeMiB int
-	// Sandbox enables QEMU's seccomp filter (-sandbox on).
+	// Sandbox enables QEMU's seccomp filter (-sandbox on) with every
+	// optional restriction that still lets a VM run.
 	Sandbox bool
 }
 
@@ -339,7 +341,23 @@ func (b *Backend) start(ctx context.Context, runDir string, cfg machineConfig, a
 		return nil, err
 	}
 	if b.opts.Sandbox {
-		args.add("-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny")
+		// With -runas QEMU itself calls setuid after the filter is in
+		// place; it then has no privilege left to elevate.
+		opts := "on,obsolete=deny,spawn=deny,resourcecontrol=deny"
+		if launch.User == "" {
+			opts += ",elevateprivileges=deny"
+		}
+		args.add("-sandbox", opts)
+	}
+	if launch.User != "" {
+		// QEMU opens its files as root, then drops to the user and
+		// chroots into an empty directory before running guest code.
+		jail := filepath.Join(runDir, "jail")
+		if err := os.Mkdir(jail, 0o555); err != nil && !os.IsExist(err) {
+			os.RemoveAll(runDir)
+			return nil, err
+		}
+		args.add("-runas", launch.User, "-chroot", jail)
 	}
 	logf, err := os.OpenFile(filepath.Join(runDir, logFile), os.O_CREATE|os.O_WRONLY|os.O_TRUNC, 0o600)
 	if err != nil {
@@ -347,17 +365,12 @@ func (b *Backend) start(ctx context.Context, runDir string, cfg machineConfig, a
 		return nil, err
 	}
 	defer logf.Close()
-	cmd, cleanup, err := launchCommand(b.opts.Binary, args, launch)
-	if err != nil {
-		os.RemoveAll(runDir)
-		return nil, err
-	}
-	defer cleanup()
+	cmd := launchCommand(b.opts.Binary, args, launch)
 	cmd.Dir = runDir
 	cmd.Stdout = logf
 	cmd.Stderr = logf
 	cmd.ExtraFiles = extra
-	if err := cmd.Start(); err != nil {
+	if err := startIn(cmd, launch); err != nil {
 		os.RemoveAll(runDir)
 		return nil, fmt.Errorf("start qemu: %w", err)
 	}
@@ -381,22 +394,29 @@ func logTail(runDir string) string {
 	return string(b)
 }
 
-// launchCommand builds the exec.Cmd that starts QEMU as launch describes.
-// The returned cleanup releases anything opened for the start.
-func launchCommand(bin string, args argv, launch vmm.Launch) (*exec.Cmd, func(), error) {
+// launchCommand builds the exec.Cmd that starts QEMU: its own session (it
+// outlives whoever started it), in its cgroup v2 directory when given.
+func launchCommand(bin string, args argv, launch vmm.Launch) *exec.Cmd {
 	cmd := exec.Command(bin, args...)
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
-	if launch.UID != 0 || launch.GID != 0 {
-		cmd.SysProcAttr.Credential = &syscall.Credential{Uid: launch.UID, Gid: launch.GID}
-	}
 	if launch.CgroupFD > 0 {
 		cmd.SysProcAttr.UseCgroupFD = true
 		cmd.SysProcAttr.CgroupFD = launch.CgroupFD
 	}
-	if launch.NetNS != "" || len(launch.CgroupProcs) > 0 {
-		return nil, func() {}, errdefs.NotImplemented("netns and cgroup v1 placement are not wired yet")
+	return cmd
+}
+
+// startIn starts cmd from an OS thread inside launch's network namespace
+// and thread-bound contexts, so QEMU is born there.
+func startIn(cmd *exec.Cmd, launch vmm.Launch) error {
+	if launch.NetNS == "" && len(launch.Enter) == 0 {
+		return cmd.Start()
 	}
-	return cmd, func() {}, nil
+	steps := make([]netns.EnterFunc, len(launch.Enter))
+	for i, f := range launch.Enter {
+		steps[i] = netns.EnterFunc(f)
+	}
+	return netns.StartIn(launch.NetNS, cmd, steps...)
 }
 
 var errStopped = errors.New("machine stopped")

@@ -49,6 +49,10 @@ func TestEvalPersistentState(t *testing.T) {
 	if res := mustEval(t, c, "'json' in sys.modules, __name__"); res.Value != "(True, '__main__')" {
 		t.Fatalf("preload: %+v", res)
 	}
+	// A preloaded module is bound as if the cell had imported it.
+	if res := mustEval(t, c, "json.dumps([1])"); res.Value != "'[1]'" {
+		t.Fatalf("preloaded name: %+v", res)
+	}
 	// Output of child processes, written to the interpreter's fd 1, is
 	// captured too.
 	if res := mustEval(t, c, "import os\nos.system('echo from-child')"); !strings.Contains(res.Stdout, "from-child") {

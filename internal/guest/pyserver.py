@@ -199,6 +199,10 @@ def main():
     for name in preload:
         try:
             importlib.import_module(name)
+            # As if the cell had run `import name`: the top-level package
+            # is bound in the cells' namespace.
+            top = name.split(".")[0]
+            env[top] = sys.modules[top]
             loaded.append(name)
         except BaseException as e:
             failed[name] = "%s: %s" % (type(e).__name__, e)

@@ -145,7 +145,7 @@ type vmmProcess struct {
 
 // vmmProcesses finds the VMM processes of this data dir: their argv names
 // them "forkd-<name>" (QEMU's -name ...,process=forkd-<name>) and their
-// working directory is <run>/<name>.
+// working directory is <run>/<name> or below it.
 func (e *Engine) vmmProcesses() ([]vmmProcess, error) {
 	entries, err := os.ReadDir(proc.Root)
 	if err != nil {
@@ -166,15 +166,19 @@ func (e *Engine) vmmProcesses() ([]vmmProcess, error) {
 		if err != nil {
 			continue
 		}
-		cwd = strings.TrimSuffix(cwd, " (deleted)")
-		if filepath.Dir(cwd) != e.runDir || filepath.Base(cwd) != name {
+		// The VMM works in <run>/<name> or below it (a chroot jail).
+		rel, err := filepath.Rel(e.runDir, strings.TrimSuffix(cwd, " (deleted)"))
+		if err != nil {
+			continue
+		}
+		if first, _, _ := strings.Cut(rel, string(filepath.Separator)); first != name {
 			continue
 		}
 		id, err := proc.Self(pid)
 		if err != nil {
 			continue // exited meanwhile
 		}
-		p := vmmProcess{id: id, runDir: cwd}
+		p := vmmProcess{id: id, runDir: filepath.Join(e.runDir, name)}
 		if strings.HasPrefix(name, "build-") {
 			p.building = parentAlive(base)
 		}

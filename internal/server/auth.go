@@ -44,9 +44,6 @@ func CheckToken(tok []byte) error {
 			return errdefs.InvalidArgument("token holds a space or a non-printable character")
 		}
 	}
-	if len(tok) < MinTokenBytes {
-		return errdefs.InvalidArgument("token is %d bytes; want at least %d", len(tok), MinTokenBytes)
-	}
 	// What is left without placeholder words and punctuation must still
 	// be a token ("changeme-changeme-changeme" is not).
 	rest := strings.ToLower(string(tok))
@@ -65,6 +62,9 @@ func CheckToken(tok []byte) error {
 	}, rest)
 	if found != "" && len(rest) < MinTokenBytes {
 		return errdefs.InvalidArgument("token looks like a placeholder (%q); put a random secret in it (e.g. openssl rand -hex 32)", found)
+	}
+	if len(tok) < MinTokenBytes {
+		return errdefs.InvalidArgument("token is %d bytes; want at least %d", len(tok), MinTokenBytes)
 	}
 	distinct := map[byte]bool{}
 	for _, b := range tok {

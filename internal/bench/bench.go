@@ -219,7 +219,8 @@ func Run(ctx context.Context, e *sandbox.Engine, o Options) (*Result, error) {
 }
 
 // coldBoot boots n VMs from img at once (bounded like forks are), each with
-// anonymous RAM, and returns each one's time until its agent answered.
+// anonymous RAM, and returns each one's time until its agent answered init
+// (which, for a Python image, waits for the warm interpreter).
 func coldBoot(ctx context.Context, e *sandbox.Engine, img *image.Image, o Options, n int) ([]float64, error) {
 	be := e.Backend()
 	walls := make([]float64, n)
@@ -259,8 +260,14 @@ func coldBoot(ctx context.Context, e *sandbox.Engine, img *image.Image, o Option
 				errs[i] = err
 				return
 			}
+			defer c.Close()
+			// Ready means what it means for a fork: the agent answered
+			// init, which waits for a warm interpreter to be up.
+			if err := c.Init(bctx, proto.InitRequest{Time: time.Now(), SandboxID: spec.Name, Hostname: spec.Name}); err != nil {
+				errs[i] = err
+				return
+			}
 			walls[i] = msSince(start)
-			c.Close()
 		}(i)
 	}
 	wg.Wait()

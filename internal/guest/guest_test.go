@@ -189,3 +189,20 @@ func TestSyncScanner(t *testing.T) {
 		}
 	}
 }
+
+func TestParseNetConfig(t *testing.T) {
+	nc, ok, err := parseNetConfig(map[string]string{KeyIP: "172.16.0.2/30", KeyGW: "172.16.0.1", KeyDNS: "1.1.1.1,9.9.9.9"})
+	if err != nil || !ok || nc.addr.String() != "172.16.0.2/30" || nc.gw.String() != "172.16.0.1" || len(nc.dns) != 2 {
+		t.Fatalf("parseNetConfig = %+v, %v, %v", nc, ok, err)
+	}
+	if _, ok, err := parseNetConfig(map[string]string{}); ok || err != nil {
+		t.Fatalf("no keys: %v %v", ok, err)
+	}
+	for _, bad := range []map[string]string{
+		{KeyIP: "172.16.0.2"}, {KeyIP: "::1/64"}, {KeyIP: "10.0.0.2/24", KeyGW: "x"}, {KeyIP: "10.0.0.2/24", KeyDNS: "a"},
+	} {
+		if _, _, err := parseNetConfig(bad); err == nil {
+			t.Errorf("parseNetConfig(%v) accepted", bad)
+		}
+	}
+}

@@ -119,6 +119,13 @@ func runPID1() {
 	if err := loopbackUp(); err != nil {
 		log.Warn("loopback", "err", err)
 	}
+	if nc, ok, err := parseNetConfig(cmdline); err != nil {
+		log.Error("network", "err", err)
+	} else if ok {
+		if err := configureNetwork(nc, 5*time.Second); err != nil {
+			log.Error("network", "err", err)
+		}
+	}
 	cfg := bc.agent
 	cfg.Version, cfg.Logger = Version, log
 	a := New(cfg)

@@ -235,14 +235,22 @@ func addAddrUp(h *netlink.Handle, name string, p netip.Prefix) error {
 // nsPath, owned by uid/gid, with the flags QEMU asks for (no packet info,
 // virtio-net header, single queue).
 func createTap(nsPath string, slot int, uid, gid uint32) error {
+	mac, err := net.ParseMAC(TapMAC)
+	if err != nil {
+		return err
+	}
 	return inNetNS(nsPath, func() error {
-		return netlink.LinkAdd(&netlink.Tuntap{
+		tap := &netlink.Tuntap{
 			LinkAttrs: netlink.LinkAttrs{Name: TapName},
 			Mode:      netlink.TUNTAP_MODE_TAP,
 			Flags:     netlink.TUNTAP_NO_PI | netlink.TUNTAP_VNET_HDR | netlink.TUNTAP_ONE_QUEUE,
 			Owner:     uid,
 			Group:     gid,
-		})
+		}
+		if err := netlink.LinkAdd(tap); err != nil {
+			return err
+		}
+		return netlink.LinkSetHardwareAddr(tap, mac)
 	})
 }
 

@@ -59,6 +59,10 @@ const (
 	VethName = "veth0"
 	// GuestMAC is the MAC of every guest's NIC.
 	GuestMAC = "52:54:00:00:00:01"
+	// TapMAC is the MAC of every namespace's tap, the guest's gateway. It
+	// is fixed because a restored guest's ARP cache still holds the
+	// parent's gateway: a tap with another MAC would drop its frames.
+	TapMAC = "52:54:00:00:00:02"
 )
 
 var (

@@ -702,6 +702,9 @@ func TestRealTap(t *testing.T) {
 	if !ok || tap.Owner != 4321 || tap.Group != 4322 || tap.Mode != netlink.TUNTAP_MODE_TAP {
 		t.Fatalf("tap = %#v", l)
 	}
+	if mac := l.Attrs().HardwareAddr.String(); mac != TapMAC {
+		t.Fatalf("tap MAC %s, want the fixed %s", mac, TapMAC)
+	}
 	addrs, _ := h.AddrList(l, unix.AF_INET)
 	if len(addrs) != 1 || addrs[0].IPNet.String() != "172.16.0.1/30" {
 		t.Fatalf("tap addresses %v", addrs)

@@ -224,3 +224,40 @@ func TestBenchJSON(t *testing.T) {
 		t.Errorf("bench left snapshots: %s", out)
 	}
 }
+
+func TestDoctor(t *testing.T) {
+	c := newCLI(t)
+	out, _, code := c.run("doctor", "--json")
+	var rep struct {
+		Checks []struct {
+			Name, Status, Detail, Hint string
+		} `json:"checks"`
+		Backend     string `json:"backend"`
+		Accelerator string `json:"accelerator"`
+		Failed      bool   `json:"failed"`
+	}
+	if err := json.Unmarshal([]byte(out), &rep); err != nil {
+		t.Fatalf("doctor --json: %v\n%s", err, out)
+	}
+	if rep.Failed != (code != 0) {
+		t.Fatalf("failed=%v but exit %d", rep.Failed, code)
+	}
+	if len(rep.Checks) < 18 || rep.Backend != "qemu" {
+		t.Fatalf("%d checks, backend %q", len(rep.Checks), rep.Backend)
+	}
+	status := map[string]string{}
+	for _, ch := range rep.Checks {
+		status[ch.Name] = ch.Status
+		if ch.Status == "FAIL" && ch.Hint == "" {
+			t.Errorf("%s fails without a fix hint", ch.Name)
+		}
+	}
+	if status["qemu"] != "PASS" {
+		t.Errorf("qemu check %q", status["qemu"])
+	}
+	// The text form says the same.
+	text, _, _ := c.run("doctor")
+	if !strings.Contains(text, "backend qemu/"+rep.Accelerator) {
+		t.Errorf("text report lacks the backend line:\n%s", text)
+	}
+}

@@ -96,6 +96,7 @@ func newRoot(g *globals) *cobra.Command {
 		newQuickstartCmd(g),
 		newServeCmd(g),
 		newSpawnCmd(g),
+		newDoctorCmd(g),
 	)
 	return root
 }

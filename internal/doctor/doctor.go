@@ -134,6 +134,10 @@ type Options struct {
 	Controller string
 	// CheckTimeout bounds each check (default 20 s).
 	CheckTimeout time.Duration
+	// AgentPath is the forkd-agent binary images are built with.
+	AgentPath string
+	// VMMUser is the user QEMU drops to ("" when it keeps ours).
+	VMMUser string
 
 	// Host actions; nil means the real ones.
 	LookPath func(name string) (string, error)
@@ -261,6 +265,9 @@ var checks = []struct {
 	{"ksm", (*run).ksm},
 	{"hugepages", (*run).hugepages},
 	{"data-dir", (*run).dataDir},
+	{"image-tools", (*run).imageTools},
+	{"agent", (*run).agent},
+	{"vmm-user", (*run).vmmUser},
 	{"controller", (*run).controller},
 }
 

@@ -18,6 +18,7 @@ type fakeHost struct {
 	proc, sys, dev string
 	bins           map[string]string // name -> output of --version ("" = absent)
 	apt            map[string]string // package -> apt-cache show output
+	tools          bool              // the image-building commands exist
 	dialed         []string
 }
 
@@ -71,7 +72,7 @@ func (h *fakeHost) options(t *testing.T) Options {
 		EUID:    func() int { return 1000 },
 		DataDir: t.TempDir(),
 		LookPath: func(name string) (string, error) {
-			if name == "apt-cache" || h.bins[name] != "" {
+			if name == "apt-cache" || h.bins[name] != "" || (h.tools && imageTool[name]) {
 				return "/fake/" + name, nil
 			}
 			return "", errors.New("not found")
@@ -128,8 +129,12 @@ func expect(t *testing.T, rep Report, want map[string]Status, contains map[strin
 	}
 }
 
+// imageTool names the commands the image-tools check looks for.
+var imageTool = map[string]bool{"dpkg-deb": true, "apt-get": true, "busybox": true, "mkfs.ext4": true, "debootstrap": true}
+
 func TestThisKindOfHost(t *testing.T) {
 	h := newFakeHost(t)
+	h.tools = true
 	opts := h.options(t)
 	opts.Controller = "unix:///run/forkd.sock"
 	rep := Run(context.Background(), opts)
@@ -137,7 +142,7 @@ func TestThisKindOfHost(t *testing.T) {
 		"platform": Pass, "cpu-virtualisation": Warn, "kvm": Warn, "qemu": Pass, "firecracker": Skip,
 		"guest-kernel": Pass, "cgroups": Pass, "ip-forward": Warn, "nftables": Skip, "netns-tap": Skip,
 		"userfaultfd": Warn, "memfd": Pass, "ksm": Pass, "hugepages": Warn, "data-dir": Pass,
-		"controller": Pass, "backend": Warn,
+		"image-tools": Pass, "agent": Skip, "vmm-user": Skip, "controller": Pass, "backend": Warn,
 	}, map[string]string{
 		"kvm":          "KVM_CREATE_VM works) but the CPU shows no vmx/svm",
 		"cgroups":      "memory on v1",
@@ -195,9 +200,10 @@ func TestNothingWorks(t *testing.T) {
 	opts.GOOS = "darwin"
 	opts.Controller = "/run/elsewhere.sock"
 	opts.DataDir = "/proc/forkd-cannot-be-here"
+	opts.AgentPath = "/proc/forkd-no-agent"
 	rep := Run(context.Background(), opts)
 	expect(t, rep, map[string]Status{"platform": Fail, "kvm": Warn, "qemu": Fail, "firecracker": Warn,
-		"guest-kernel": Fail, "data-dir": Fail, "controller": Fail, "backend": Fail}, map[string]string{
+		"guest-kernel": Fail, "data-dir": Fail, "image-tools": Fail, "agent": Fail, "controller": Fail, "backend": Fail}, map[string]string{
 		"kvm": "no " + filepath.Join(h.dev, "kvm"), "firecracker": "older than 1.16.1"})
 	if rep.Backend != "" || rep.ExitCode() != 1 {
 		t.Errorf("backend %q exit %d", rep.Backend, rep.ExitCode())

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"os/user"
 	"strings"
 	"sync"
 	"time"
@@ -93,7 +94,7 @@ func quickstart(ctx context.Context, g *globals, n int, yes bool, img, tag strin
 		return errdefs.InvalidArgument("-n %d: want 1 to 1000", n)
 	}
 	say("checking host packages")
-	if pkgs := missingPackages(); len(pkgs) > 0 {
+	if pkgs := missingPackages(); len(pkgs) > 0 || needVMMUser() {
 		if err := installPackages(ctx, g, pkgs, yes); err != nil {
 			return err
 		}
@@ -224,19 +225,47 @@ func killOrigin(ctx context.Context, e *sandbox.Engine, origin string) (int, err
 	return n, nil
 }
 
-// installPackages installs Debian packages with apt-get after asking,
-// unless yes.
+// needVMMUser reports whether, as root, the system user QEMU drops to is
+// missing.
+func needVMMUser() bool {
+	if os.Geteuid() != 0 {
+		return false
+	}
+	_, err := user.Lookup(DefaultVMMUser)
+	return err != nil
+}
+
+// installPackages installs Debian packages with apt-get, and creates the
+// VMM user when missing, after asking unless yes.
 func installPackages(ctx context.Context, g *globals, pkgs []string, yes bool) error {
 	if os.Geteuid() != 0 {
 		return errdefs.FailedPrecondition("missing host packages %s; run as root (sudo) or install them: apt-get install %s",
 			strings.Join(pkgs, " "), strings.Join(pkgs, " "))
 	}
+	var plan []string
+	if len(pkgs) > 0 {
+		plan = append(plan, "install with apt-get: "+strings.Join(pkgs, " "))
+	}
+	mkUser := needVMMUser()
+	if mkUser {
+		plan = append(plan, "create the system user "+DefaultVMMUser+" (QEMU drops to it)")
+	}
 	if !yes {
-		fmt.Fprintf(g.stderr, "forkd needs these host packages: %s\nInstall them with apt-get? [y/N] ", strings.Join(pkgs, " "))
+		fmt.Fprintf(g.stderr, "forkd would change this host:\n  %s\nProceed? [y/N] ", strings.Join(plan, "\n  "))
 		line, _ := bufio.NewReader(g.stdin).ReadString('\n')
 		if a := strings.ToLower(strings.TrimSpace(line)); a != "y" && a != "yes" {
-			return errdefs.FailedPrecondition("not installing %s; rerun with --yes or install them yourself", strings.Join(pkgs, " "))
+			return errdefs.FailedPrecondition("host left unchanged; rerun with --yes or do it yourself: %s", strings.Join(plan, "; "))
 		}
+	}
+	if mkUser {
+		cmd := exec.CommandContext(ctx, "useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", DefaultVMMUser)
+		cmd.Stdout, cmd.Stderr = g.stderr, g.stderr
+		if err := cmd.Run(); err != nil {
+			return fmt.Errorf("useradd %s: %w", DefaultVMMUser, err)
+		}
+	}
+	if len(pkgs) == 0 {
+		return nil
 	}
 	run := func(args ...string) error {
 		cmd := exec.CommandContext(ctx, "apt-get", args...)

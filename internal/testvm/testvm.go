@@ -11,6 +11,7 @@ import (
 	"log/slog"
 	"os"
 	"os/exec"
+	"os/user"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -167,10 +168,14 @@ func (l testLog) Write(p []byte) (int, error) {
 
 var _ io.Writer = testLog{}
 
-// VMMUser is the unprivileged user VM tests run QEMU as when root.
+// VMMUser is the unprivileged user VM tests run QEMU as when root:
+// forkd-vmm (made by scripts/install-deps.sh), else nobody.
 func VMMUser() string {
 	if os.Geteuid() != 0 {
 		return ""
+	}
+	if _, err := user.Lookup("forkd-vmm"); err == nil {
+		return "forkd-vmm"
 	}
 	return "nobody"
 }

@@ -314,6 +314,23 @@ func TestServeAcceptance(t *testing.T) {
 	if err != nil || len(list) != 5 {
 		t.Fatalf("after restart: %d sandboxes, %v\n%s", len(list), err, d.output())
 	}
+	// Concurrent first calls to a re-adopted sandbox share one agent
+	// session (a second session would cancel the first one's calls).
+	errc := make(chan error, 8)
+	for range 8 {
+		go func() {
+			r, err := api.Exec(ctx, ids[4], apiv1.ExecRequest{Shell: "sleep 0.2; hostname"})
+			if err == nil && strings.TrimSpace(r.Stdout) != ids[4] {
+				err = fmt.Errorf("hostname %q", r.Stdout)
+			}
+			errc <- err
+		}()
+	}
+	for range 8 {
+		if err := <-errc; err != nil {
+			t.Errorf("concurrent exec after restart: %v", err)
+		}
+	}
 	for _, id := range ids {
 		if r, err := api.Exec(ctx, id, apiv1.ExecRequest{Args: []string{"hostname"}}); err != nil || strings.TrimSpace(r.Stdout) != id {
 			t.Errorf("exec in %s after restart: %+v %v", id, r, err)

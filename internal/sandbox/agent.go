@@ -2,6 +2,7 @@ package sandbox
 
 import (
 	"context"
+	"sync"
 	"time"
 
 	"github.com/forkd/forkd/internal/agent"
@@ -17,10 +18,15 @@ func (e *Engine) Agent(ctx context.Context, id string) (c *agent.Client, release
 		return nil, nil, err
 	}
 	if e.cfg.Daemon {
-		e.mu.Lock()
-		c := e.conns[id]
-		e.mu.Unlock()
-		if c != nil && alive(c) {
+		if c := e.cachedClient(id); c != nil {
+			return c, func() {}, nil
+		}
+		// One dial per sandbox at a time: a second session would cancel
+		// the first one's calls in the guest.
+		dmu := e.dialLock(id)
+		dmu.Lock()
+		defer dmu.Unlock()
+		if c := e.cachedClient(id); c != nil {
 			return c, func() {}, nil
 		}
 	}
@@ -48,6 +54,32 @@ func (e *Engine) Agent(ctx context.Context, id string) (c *agent.Client, release
 	return c, func() { c.Close() }, nil
 }
 
+// cachedClient returns the daemon's live client of sandbox id, or nil.
+func (e *Engine) cachedClient(id string) *agent.Client {
+	e.mu.Lock()
+	c := e.conns[id]
+	e.mu.Unlock()
+	if c != nil && alive(c) {
+		return c
+	}
+	return nil
+}
+
+// dialLock returns the mutex that serialises dials to sandbox id.
+func (e *Engine) dialLock(id string) *sync.Mutex {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.dials == nil {
+		e.dials = map[string]*sync.Mutex{}
+	}
+	m := e.dials[id]
+	if m == nil {
+		m = new(sync.Mutex)
+		e.dials[id] = m
+	}
+	return m
+}
+
 // keepClient caches a client in daemon mode and closes it otherwise.
 func (e *Engine) keepClient(id string, c *agent.Client) {
 	if !e.cfg.Daemon {
@@ -67,6 +99,7 @@ func (e *Engine) dropClient(id string) {
 	e.mu.Lock()
 	c := e.conns[id]
 	delete(e.conns, id)
+	delete(e.dials, id)
 	e.mu.Unlock()
 	if c != nil {
 		c.Close()

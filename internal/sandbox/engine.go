@@ -64,8 +64,9 @@ type Engine struct {
 
 	restores chan struct{} // one token per restore in progress
 
-	mu    sync.Mutex               // guards conns
+	mu    sync.Mutex               // guards conns, dials
 	conns map[string]*agent.Client // daemon mode: one agent session per sandbox
+	dials map[string]*sync.Mutex   // daemon mode: serialises dials per sandbox
 }
 
 // New opens the data dir.

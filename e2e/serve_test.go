@@ -3,10 +3,18 @@ package e2e
 import (
 	"bytes"
 	"context"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/tls"
+	"crypto/x509"
+	"crypto/x509/pkix"
 	"encoding/json"
+	"encoding/pem"
 	"errors"
 	"fmt"
 	"io"
+	"math/big"
 	"net"
 	"net/http"
 	"os"
@@ -459,3 +467,48 @@ func vmmsIn(dir string) []string {
 type writerFunc func([]byte) (int, error)
 
 func (f writerFunc) Write(p []byte) (int, error) { return f(p) }
+
+// TestServeTLS: with --tls-cert/--tls-key the TCP listener speaks TLS and
+// still wants the token.
+func TestServeTLS(t *testing.T) {
+	c := newCLI(t)
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tmpl := &x509.Certificate{
+		SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "forkd-test"},
+		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
+		IPAddresses: []net.IP{net.ParseIP("127.0.0.1")}, KeyUsage: x509.KeyUsageDigitalSignature,
+		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
+	}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	kb, _ := x509.MarshalECPrivateKey(key)
+	certFile, keyFile := filepath.Join(c.data, "cert.pem"), filepath.Join(c.data, "key.pem")
+	os.WriteFile(certFile, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}), 0o644)
+	os.WriteFile(keyFile, pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: kb}), 0o600)
+
+	d := startServe(t, c, "--tls-cert", certFile, "--tls-key", keyFile)
+	cert, _ := x509.ParseCertificate(der)
+	pool := x509.NewCertPool()
+	pool.AddCert(cert)
+	url := strings.Replace(d.url, "http://", "https://", 1)
+	ctx := context.Background()
+	api, err := client.New(url, d.token, client.Options{TLS: &tls.Config{RootCAs: pool}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if v, err := api.Version(ctx); err != nil || v.DataDir != c.data {
+		t.Errorf("version over TLS: %+v %v", v, err)
+	}
+	noTok, _ := client.New(url, "", client.Options{TLS: &tls.Config{RootCAs: pool}})
+	if _, err := noTok.Version(ctx); !errors.Is(err, client.ErrUnauthenticated) {
+		t.Errorf("no token over TLS: %v", err)
+	}
+	if err := d.client(d.token).Health(ctx); err == nil {
+		t.Errorf("plain HTTP answered on the TLS listener")
+	}
+}

@@ -20,6 +20,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/fsutil"
 )
 
 // MinTokenBytes is the shortest bearer token the daemon accepts.
@@ -107,7 +108,8 @@ func LoadToken(path string, create bool) (tok []byte, created bool, err error) {
 }
 
 // createToken writes a fresh token to path atomically, never replacing a
-// file that appeared meanwhile.
+// file that appeared meanwhile: it is written complete under a temporary
+// name, then hard-linked into place.
 func createToken(path string) error {
 	dir := filepath.Dir(path)
 	if err := os.MkdirAll(dir, 0o700); err != nil {
@@ -115,15 +117,15 @@ func createToken(path string) error {
 	}
 	var raw [32]byte
 	rand.Read(raw[:])
-	tmp, err := writeTemp(dir, []byte(hex.EncodeToString(raw[:])+"\n"), 0o600)
-	if err != nil {
+	tmp := fmt.Sprintf("%s.new-%d", path, os.Getpid())
+	if err := fsutil.WriteFile(tmp, []byte(hex.EncodeToString(raw[:])+"\n"), 0o600); err != nil {
 		return err
 	}
 	defer os.Remove(tmp)
 	if err := os.Link(tmp, path); err != nil && !errors.Is(err, fs.ErrExist) {
 		return err
 	}
-	return syncDir(dir)
+	return fsutil.SyncDir(dir)
 }
 
 // peer is who is at the other end of a connection.

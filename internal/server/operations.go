@@ -15,6 +15,7 @@ import (
 
 	apiv1 "github.com/forkd/forkd/api/v1"
 	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/fsutil"
 )
 
 // keepOperations is how many finished operations are kept.
@@ -161,54 +162,7 @@ func (o *operations) write(op *apiv1.Operation) error {
 	if err != nil {
 		return err
 	}
-	return writeFileAtomic(filepath.Join(o.dir, op.ID+".json"), b, 0o600)
-}
-
-// writeFileAtomic replaces path with b: temp file, fsync, rename, fsync
-// of the directory.
-func writeFileAtomic(path string, b []byte, perm os.FileMode) error {
-	tmp, err := writeTemp(filepath.Dir(path), b, perm)
-	if err != nil {
-		return err
-	}
-	if err := os.Rename(tmp, path); err != nil {
-		os.Remove(tmp)
-		return err
-	}
-	return syncDir(filepath.Dir(path))
-}
-
-// writeTemp writes b to a new synced file in dir (a name starting with
-// ".") and returns its path.
-func writeTemp(dir string, b []byte, perm os.FileMode) (string, error) {
-	f, err := os.CreateTemp(dir, ".tmp-*")
-	if err != nil {
-		return "", err
-	}
-	_, err = f.Write(b)
-	if err == nil {
-		err = f.Chmod(perm)
-	}
-	if err == nil {
-		err = f.Sync()
-	}
-	if cerr := f.Close(); err == nil {
-		err = cerr
-	}
-	if err != nil {
-		os.Remove(f.Name())
-		return "", err
-	}
-	return f.Name(), nil
-}
-
-func syncDir(dir string) error {
-	d, err := os.Open(dir)
-	if err != nil {
-		return err
-	}
-	defer d.Close()
-	return d.Sync()
+	return fsutil.WriteFile(filepath.Join(o.dir, op.ID+".json"), b, 0o600)
 }
 
 // prune drops the oldest finished operations beyond keepOperations.

@@ -27,6 +27,7 @@ import (
 
 	apiv1 "github.com/forkd/forkd/api/v1"
 	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/fsutil"
 	"github.com/forkd/forkd/internal/sandbox"
 )
 
@@ -198,7 +199,7 @@ func (s *Server) Announce(info apiv1.ControllerInfo) (remove func(), err error) 
 		return nil, err
 	}
 	path := filepath.Join(s.e.Config().DataDir, apiv1.ControllerFile)
-	if err := writeFileAtomic(path, b, 0o644); err != nil {
+	if err := fsutil.WriteFile(path, b, 0o644); err != nil {
 		return nil, err
 	}
 	return func() { os.Remove(path) }, nil

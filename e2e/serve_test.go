@@ -281,8 +281,17 @@ func TestServeAcceptance(t *testing.T) {
 	if out := runEnv(t, viaURL, "exec", ids[3], "--", "echo", "tcp"); out != "tcp\n" {
 		t.Errorf("exec via FORKD_URL: %q", out)
 	}
-	if _, errs, code := c.run("rmi", "py"); code == 0 {
+	if _, errs, code := c.run("rmi", "py"); code == 0 || !strings.Contains(errs, "in use") {
 		t.Errorf("rmi of a snapshot in use: %q", errs)
+	}
+	var images struct {
+		Snapshots []struct {
+			Tag      string `json:"tag"`
+			Refcount int    `json:"refcount"`
+		} `json:"snapshots"`
+	}
+	if err := json.Unmarshal([]byte(c.ok("images", "--json")), &images); err != nil || len(images.Snapshots) != 1 || images.Snapshots[0].Refcount != 5 {
+		t.Errorf("images through the daemon: %+v %v", images, err)
 	}
 
 	// TTL: spawned with timeout 5 s, gone within a few seconds of expiry,

@@ -1,12 +1,14 @@
 package cli
 
 import (
+	"context"
 	"fmt"
 	"text/tabwriter"
 	"time"
 
 	"github.com/spf13/cobra"
 
+	apiv1 "github.com/forkd/forkd/api/v1"
 	"github.com/forkd/forkd/internal/snapshot"
 )
 
@@ -40,19 +42,9 @@ func newImagesCmd(g *globals) *cobra.Command {
 		Short: "List snapshots",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			e, err := g.engine()
+			views, err := g.listSnapshots(cmd.Context())
 			if err != nil {
 				return err
-			}
-			defer e.Close()
-			snaps, err := e.Snapshots().List()
-			if err != nil {
-				return err
-			}
-			views := make([]snapshotView, 0, len(snaps))
-			for _, s := range snaps {
-				users, _ := e.Users(s.Tag)
-				views = append(views, viewSnapshot(s, len(users)))
 			}
 			if asJSON {
 				return writeJSON(g.stdout, map[string]any{"snapshots": views})
@@ -76,6 +68,21 @@ func newRmiCmd(g *globals) *cobra.Command {
 		Short: "Remove snapshots (refused while children use them)",
 		Args:  cobra.MinimumNArgs(1),
 		RunE: func(cmd *cobra.Command, tags []string) error {
+			if c, err := g.remote(cmd.Context()); err != nil {
+				return err
+			} else if c != nil {
+				defer c.Close()
+				for _, tag := range tags {
+					if err := snapshot.ValidateTag(tag); err != nil {
+						return err
+					}
+					if err := c.DeleteSnapshot(cmd.Context(), tag); err != nil {
+						return err
+					}
+					fmt.Fprintln(g.stdout, tag)
+				}
+				return nil
+			}
 			e, err := g.engine()
 			if err != nil {
 				return err
@@ -89,5 +96,40 @@ func newRmiCmd(g *globals) *cobra.Command {
 			}
 			return nil
 		},
+	}
+}
+
+// listSnapshots lists through the daemon when one runs, else locally.
+func (g *globals) listSnapshots(ctx context.Context) ([]snapshotView, error) {
+	views := []snapshotView{}
+	if c, err := g.remote(ctx); err != nil {
+		return nil, err
+	} else if c != nil {
+		defer c.Close()
+		list, err := c.ListSnapshots(ctx)
+		for _, s := range list {
+			views = append(views, apiSnapshotView(s))
+		}
+		return views, err
+	}
+	e, err := g.engine()
+	if err != nil {
+		return nil, err
+	}
+	defer e.Close()
+	snaps, err := e.Snapshots().List()
+	for _, s := range snaps {
+		users, _ := e.Users(s.Tag)
+		views = append(views, viewSnapshot(s, len(users)))
+	}
+	return views, err
+}
+
+// apiSnapshotView is a snapshot from the daemon in images' shape.
+func apiSnapshotView(s apiv1.Snapshot) snapshotView {
+	return snapshotView{
+		Tag: s.Tag, Status: s.Status, Image: s.Image, Backend: s.Backend, Accelerator: s.Accelerator,
+		MemoryMiB: s.MemoryMiB, VCPUs: s.VCPUs, SizeBytes: s.SizeBytes, Refcount: s.Refcount,
+		Created: s.Created, Parent: s.Parent,
 	}
 }

@@ -1,10 +1,13 @@
 package cli
 
 import (
+	"context"
 	"fmt"
 
 	"github.com/spf13/cobra"
 
+	apiv1 "github.com/forkd/forkd/api/v1"
+	"github.com/forkd/forkd/client"
 	"github.com/forkd/forkd/internal/sandbox"
 )
 
@@ -16,6 +19,12 @@ func newSnapshotCmd(g *globals) *cobra.Command {
 		Short: "Boot a parent VM from an image, warm it, and save it as a snapshot",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
+			if c, err := g.remote(cmd.Context()); err != nil {
+				return err
+			} else if c != nil {
+				defer c.Close()
+				return snapshotRemote(cmd.Context(), g, c, spec, asJSON)
+			}
 			e, err := g.engine()
 			if err != nil {
 				return err
@@ -41,4 +50,27 @@ func newSnapshotCmd(g *globals) *cobra.Command {
 	f.BoolVar(&asJSON, "json", false, "print the snapshot as JSON")
 	cmd.MarkFlagRequired("tag")
 	return cmd
+}
+
+// snapshotRemote builds the snapshot in the daemon and waits for it.
+func snapshotRemote(ctx context.Context, g *globals, c *client.Client, spec sandbox.SnapshotSpec, asJSON bool) error {
+	op, err := c.CreateSnapshot(ctx, apiv1.CreateSnapshotRequest{
+		Tag: spec.Tag, Image: spec.Image, MemoryMiB: spec.MemoryMiB, VCPUs: spec.VCPUs, Warmup: spec.Warmup,
+	})
+	if err != nil {
+		return err
+	}
+	fmt.Fprintf(g.stderr, "building %s in the daemon (operation %s)\n", spec.Tag, op.ID)
+	if _, err := c.WaitOperation(ctx, op.ID); err != nil {
+		return err
+	}
+	snap, err := c.GetSnapshot(ctx, spec.Tag)
+	if err != nil {
+		return err
+	}
+	if asJSON {
+		return writeJSON(g.stdout, apiSnapshotView(*snap))
+	}
+	fmt.Fprintln(g.stdout, snap.Tag)
+	return nil
 }

@@ -69,7 +69,8 @@ func (x *Expirer) Run(ctx context.Context) {
 		next := x.pass(ctx)
 		wait := x.Sweep
 		if !next.IsZero() {
-			wait = min(wait, max(time.Until(next), 0))
+			// Not less than a tick: a kill that keeps failing must not spin.
+			wait = min(wait, max(time.Until(next), 100*time.Millisecond))
 		}
 		t := time.NewTimer(wait)
 		select {

@@ -12,6 +12,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/forkd/forkd/internal/testutil"
 	"github.com/forkd/forkd/internal/testvm"
 )
 
@@ -183,6 +184,7 @@ func TestBadInputExitCodes(t *testing.T) {
 
 func TestQuickstartIdempotent(t *testing.T) {
 	c := newCLI(t)
+	testutil.RequireRoot(t) // the python image is built with debootstrap
 	for i := 0; i < 2; i++ {
 		out := c.ok("quickstart", "-n", "2", "--yes")
 		lines := strings.Split(strings.TrimSpace(out), "\n")
@@ -190,15 +192,20 @@ func TestQuickstartIdempotent(t *testing.T) {
 			t.Fatalf("run %d: quickstart printed %q", i, out)
 		}
 		for _, l := range lines {
-			if !strings.Contains(l, "hello from sb-") {
+			if !strings.HasPrefix(l, "sb-") || !strings.Contains(l, "eval numpy.zeros(5).sum() -> 0.0") {
 				t.Fatalf("run %d: child output %q", i, l)
 			}
 		}
 	}
+	// The minimal image runs a shell command instead.
+	out := c.ok("quickstart", "-n", "1", "--yes", "--image", "minimal", "--tag", "qs-min")
+	if !strings.Contains(out, "hello from sb-") {
+		t.Fatalf("minimal quickstart printed %q", out)
+	}
 	var ls struct{ Sandboxes []struct{ ID string } }
 	json.Unmarshal([]byte(c.ok("ls", "--json")), &ls)
-	if len(ls.Sandboxes) != 2 {
-		t.Fatalf("after two quickstarts: %d sandboxes, want 2", len(ls.Sandboxes))
+	if len(ls.Sandboxes) != 1 {
+		t.Fatalf("after three quickstarts: %d sandboxes, want the last one's 1", len(ls.Sandboxes))
 	}
 }
 

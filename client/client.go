@@ -449,3 +449,15 @@ func (c *Client) MakeDir(ctx context.Context, id, path string) (bool, error) {
 func (c *Client) Rename(ctx context.Context, id, from, to string) error {
 	return c.do(ctx, "POST", sandboxPath(id, "/files/rename"), nil, apiv1.RenameRequest{From: from, To: to}, nil)
 }
+
+// SetNetwork replaces a sandbox's egress policy.
+func (c *Client) SetNetwork(ctx context.Context, id string, spec apiv1.NetworkSpec) (*apiv1.Sandbox, error) {
+	var s apiv1.Sandbox
+	return &s, c.do(ctx, "PUT", sandboxPath(id, "/network"), nil, spec, &s)
+}
+
+// Publish publishes a guest TCP port of a sandbox on a host port.
+func (c *Client) Publish(ctx context.Context, id string, guestPort int) (*apiv1.PublishedPort, error) {
+	var p apiv1.PublishedPort
+	return &p, c.do(ctx, "POST", sandboxPath(id, "/ports"), nil, apiv1.PublishRequest{GuestPort: guestPort}, &p)
+}

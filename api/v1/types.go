@@ -87,6 +87,8 @@ type Snapshot struct {
 	Created     time.Time `json:"created,omitzero"`
 	Parent      string    `json:"parent,omitempty"`
 	Error       string    `json:"error,omitempty"` // why a failed snapshot failed
+	// Network: the machine has a NIC, so each child has its own network.
+	Network bool `json:"network,omitempty"`
 }
 
 // SnapshotList answers GET /v1/snapshots.
@@ -103,6 +105,9 @@ type CreateSnapshotRequest struct {
 	MemoryMiB int      `json:"memory_mib,omitempty"`
 	VCPUs     int      `json:"vcpus,omitempty"`
 	Warmup    []string `json:"warmup,omitempty"`
+	// Network gives the machine a NIC so that every child gets its own
+	// network namespace; absent: on when the daemon can (runs as root).
+	Network *bool `json:"network,omitempty"`
 }
 
 // Operation statuses.
@@ -146,6 +151,33 @@ type NetworkSpec struct {
 	// Allow lists destinations: the only ones in "allowlist" mode,
 	// exceptions to the blocked private ranges in "allow" mode.
 	Allow []NetworkRule `json:"allow,omitempty"`
+	// Publish lists guest TCP ports each sandbox publishes on a host port
+	// (create only).
+	Publish []int `json:"publish,omitempty"`
+}
+
+// SandboxNetwork is a sandbox's own network as it stands.
+type SandboxNetwork struct {
+	// Address is where the host reaches the guest (every port).
+	Address string `json:"address"`
+	// Egress and Allow are the current egress policy.
+	Egress string        `json:"egress"`
+	Allow  []NetworkRule `json:"allow,omitempty"`
+	// Ports are the guest ports published on host ports.
+	Ports []PublishedPort `json:"ports,omitempty"`
+}
+
+// PublishedPort is a guest port reachable on a host port (127.0.0.1 and
+// the host's own addresses).
+type PublishedPort struct {
+	Proto     string `json:"proto"`
+	GuestPort int    `json:"guest_port"`
+	HostPort  int    `json:"host_port"`
+}
+
+// PublishRequest is the body of POST /v1/sandboxes/{id}/ports.
+type PublishRequest struct {
+	GuestPort int `json:"guest_port"`
 }
 
 // NetworkRule allows connections to CIDR, optionally for one protocol
@@ -165,10 +197,16 @@ type CreateSandboxesRequest struct {
 	// became ready (see POST /v1/sandboxes/{id}/timeout).
 	TimeoutSecs int               `json:"timeout_secs,omitempty"`
 	Metadata    map[string]string `json:"metadata,omitempty"`
-	// MemoryLimitMiB caps each sandbox's host memory. Validated and
-	// recorded; enforced when cgroup placement lands in fork.
-	MemoryLimitMiB int          `json:"memory_limit_mib,omitempty"`
-	Network        *NetworkSpec `json:"network,omitempty"`
+	// MemoryLimitMiB caps each sandbox's host memory (its VMM process,
+	// guest pages it wrote included); a sandbox over it is killed and
+	// reported "oom". CPUs caps its CPU time in cores; PIDsLimit its VMM's
+	// tasks. Each needs the controller in charge to run as root.
+	MemoryLimitMiB int     `json:"memory_limit_mib,omitempty"`
+	CPUs           float64 `json:"cpus,omitempty"`
+	PIDsLimit      int     `json:"pids_limit,omitempty"`
+	// Network is the egress policy and published ports of each sandbox;
+	// its snapshot must have been made with a network.
+	Network *NetworkSpec `json:"network,omitempty"`
 	// KeepPartial keeps the children that came up when others failed and
 	// reports each failure in Failed.
 	KeepPartial bool `json:"keep_partial,omitempty"`
@@ -206,10 +244,12 @@ type Sandbox struct {
 	ReadyMS     int64             `json:"ready_ms"`
 	ExpiresAt   time.Time         `json:"expires_at,omitzero"`
 	Metadata    map[string]string `json:"metadata,omitempty"`
-	// MemoryLimitMiB and Network are as requested (see their notes in
-	// CreateSandboxesRequest).
-	MemoryLimitMiB int          `json:"memory_limit_mib,omitempty"`
-	Network        *NetworkSpec `json:"network,omitempty"`
+	// Limits in force (see CreateSandboxesRequest).
+	MemoryLimitMiB int     `json:"memory_limit_mib,omitempty"`
+	CPUs           float64 `json:"cpus,omitempty"`
+	PIDsLimit      int     `json:"pids_limit,omitempty"`
+	// Network is the sandbox's own network, when its snapshot has one.
+	Network *SandboxNetwork `json:"network,omitempty"`
 }
 
 // SandboxList answers GET /v1/sandboxes. Query parameters filter it:

@@ -97,6 +97,8 @@ func newRoot(g *globals) *cobra.Command {
 		newServeCmd(g),
 		newSpawnCmd(g),
 		newDoctorCmd(g),
+		newNetCmd(g),
+		newPublishCmd(g),
 	)
 	return root
 }
@@ -153,7 +155,13 @@ func (g *globals) openEngine(tune func(*sandbox.Config)) (*sandbox.Engine, error
 	if err != nil {
 		return nil, err
 	}
+	nm, cm, err := sandbox.HostIsolation(dir, g.logger())
+	if err != nil {
+		return nil, err
+	}
 	cfg := sandbox.Config{
+		Net:       nm,
+		Cgroups:   cm,
 		DataDir:   dir,
 		Backend:   be,
 		AgentPath: agentPath(),

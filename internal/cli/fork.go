@@ -11,10 +11,12 @@ import (
 	"github.com/forkd/forkd/client"
 	"github.com/forkd/forkd/internal/errdefs"
 	"github.com/forkd/forkd/internal/sandbox"
+	"github.com/forkd/forkd/internal/server"
 )
 
 func newForkCmd(g *globals) *cobra.Command {
-	var spec sandbox.ForkSpec
+	var req apiv1.CreateSandboxesRequest
+	var iso isoFlags
 	var asJSON bool
 	var meta []string
 	cmd := &cobra.Command{
@@ -26,18 +28,25 @@ func newForkCmd(g *globals) *cobra.Command {
 			if err != nil {
 				return err
 			}
-			spec.Metadata = md
+			req.Metadata = md
+			if err := iso.apply(&req); err != nil {
+				return err
+			}
 			if c, err := g.remote(cmd.Context()); err != nil {
 				return err
 			} else if c != nil {
 				defer c.Close()
-				return forkRemote(cmd.Context(), g, c, spec, asJSON)
+				return forkRemote(cmd.Context(), g, c, req, asJSON)
 			}
 			e, err := g.engine()
 			if err != nil {
 				return err
 			}
 			defer e.Close()
+			spec, err := server.ForkSpec(&req, e.Config().MaxChildren)
+			if err != nil {
+				return err
+			}
 			res, err := e.Fork(cmd.Context(), spec)
 			if res == nil && err != nil {
 				return err
@@ -54,15 +63,16 @@ func newForkCmd(g *globals) *cobra.Command {
 					}
 					fmt.Fprintf(g.stdout, "%s\t%.0f ms\n", c.ID, c.ReadyMS)
 				}
-				fmt.Fprintf(g.stderr, "%d children of %s ready in %.0f ms\n", len(res.Children), spec.Tag, res.WallMS)
+				fmt.Fprintf(g.stderr, "%d children of %s ready in %.0f ms\n", len(res.Children), req.SnapshotTag, res.WallMS)
 			}
 			return err
 		},
 	}
 	f := cmd.Flags()
-	f.StringVar(&spec.Tag, "tag", "", "snapshot to fork (required)")
-	f.IntVarP(&spec.N, "n", "n", 1, "number of children")
-	f.BoolVar(&spec.KeepPartial, "keep-partial", false, "keep the children that came up when others failed")
+	f.StringVar(&req.SnapshotTag, "tag", "", "snapshot to fork (required)")
+	f.IntVarP(&req.N, "n", "n", 1, "number of children")
+	f.BoolVar(&req.KeepPartial, "keep-partial", false, "keep the children that came up when others failed")
+	iso.register(f)
 	f.StringArrayVar(&meta, "metadata", nil, "KEY=VALUE recorded with each child (repeatable)")
 	f.BoolVar(&asJSON, "json", false, `print {"children":[{"id","ready_ms"}],"wall_ms"}`)
 	cmd.MarkFlagRequired("tag")
@@ -86,15 +96,13 @@ func parseKV(kvs []string, flag string) (map[string]string, error) {
 }
 
 // forkRemote is fork through the daemon, with fork's own output.
-func forkRemote(ctx context.Context, g *globals, c *client.Client, spec sandbox.ForkSpec, asJSON bool) error {
-	res, err := c.CreateSandboxes(ctx, apiv1.CreateSandboxesRequest{
-		SnapshotTag: spec.Tag, N: spec.N, Metadata: spec.Metadata, KeepPartial: spec.KeepPartial,
-	})
+func forkRemote(ctx context.Context, g *globals, c *client.Client, req apiv1.CreateSandboxesRequest, asJSON bool) error {
+	res, err := c.CreateSandboxes(ctx, req)
 	if err != nil {
 		return err
 	}
 	if !asJSON {
-		return printSpawned(g, spec.Tag, res, false)
+		return printSpawned(g, req.SnapshotTag, res, false)
 	}
 	out := sandbox.ForkResult{WallMS: res.WallMS, Children: []sandbox.Child{}}
 	for _, sb := range res.Sandboxes {

@@ -25,13 +25,14 @@ type snapshotView struct {
 	Refcount    int       `json:"refcount"`
 	Created     time.Time `json:"created"`
 	Parent      string    `json:"parent,omitempty"`
+	Network     bool      `json:"network,omitempty"`
 }
 
 func viewSnapshot(s *snapshot.Snapshot, refs int) snapshotView {
 	return snapshotView{
 		Tag: s.Tag, Status: string(s.Status), Image: s.Image, Backend: s.Backend,
 		Accelerator: s.Accelerator, MemoryMiB: s.MemoryMiB, VCPUs: s.VCPUs,
-		SizeBytes: s.SizeBytes(), Refcount: refs, Created: s.Created, Parent: s.Parent,
+		SizeBytes: s.SizeBytes(), Refcount: refs, Created: s.Created, Parent: s.Parent, Network: s.Network,
 	}
 }
 
@@ -130,6 +131,6 @@ func apiSnapshotView(s apiv1.Snapshot) snapshotView {
 	return snapshotView{
 		Tag: s.Tag, Status: s.Status, Image: s.Image, Backend: s.Backend, Accelerator: s.Accelerator,
 		MemoryMiB: s.MemoryMiB, VCPUs: s.VCPUs, SizeBytes: s.SizeBytes, Refcount: s.Refcount,
-		Created: s.Created, Parent: s.Parent,
+		Created: s.Created, Parent: s.Parent, Network: s.Network,
 	}
 }

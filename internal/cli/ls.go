@@ -8,26 +8,45 @@ import (
 
 	"github.com/spf13/cobra"
 
+	apiv1 "github.com/forkd/forkd/api/v1"
 	"github.com/forkd/forkd/client"
-	"github.com/forkd/forkd/internal/state"
+	"github.com/forkd/forkd/internal/server"
 )
 
 // sandboxView is the stable JSON shape of a sandbox in `ls --json`.
 type sandboxView struct {
-	ID       string            `json:"id"`
-	Snapshot string            `json:"snapshot"`
-	Status   string            `json:"status"`
-	PID      int               `json:"pid"`
-	Created  time.Time         `json:"created"`
-	ReadyMS  int64             `json:"ready_ms"`
-	Metadata map[string]string `json:"metadata,omitempty"`
+	ID             string                `json:"id"`
+	Snapshot       string                `json:"snapshot"`
+	Status         string                `json:"status"`
+	PID            int                   `json:"pid"`
+	Created        time.Time             `json:"created"`
+	ReadyMS        int64                 `json:"ready_ms"`
+	Metadata       map[string]string     `json:"metadata,omitempty"`
+	Network        *apiv1.SandboxNetwork `json:"network,omitempty"`
+	MemoryLimitMiB int                   `json:"memory_limit_mib,omitempty"`
+	CPUs           float64               `json:"cpus,omitempty"`
+	PIDsLimit      int                   `json:"pids_limit,omitempty"`
 }
 
-func viewSandbox(sb *state.Sandbox) sandboxView {
+// viewSandbox is the ls form of a sandbox as the API shows it.
+func viewSandbox(sb apiv1.Sandbox) sandboxView {
 	return sandboxView{
-		ID: sb.ID, Snapshot: sb.Snapshot, Status: sb.Status, PID: sb.Handle.Process.PID,
-		Created: sb.Created, ReadyMS: sb.ReadyMS, Metadata: sb.Metadata,
+		ID: sb.ID, Snapshot: sb.SnapshotTag, Status: sb.Status, PID: sb.PID,
+		Created: sb.Created, ReadyMS: sb.ReadyMS, Metadata: sb.Metadata, Network: sb.Network,
+		MemoryLimitMiB: sb.MemoryLimitMiB, CPUs: sb.CPUs, PIDsLimit: sb.PIDsLimit,
 	}
+}
+
+// address is the host-reachable address and published ports, for tables.
+func (v sandboxView) address() string {
+	if v.Network == nil {
+		return "-"
+	}
+	out := v.Network.Address
+	for _, p := range v.Network.Ports {
+		out += fmt.Sprintf(" %d->%d", p.HostPort, p.GuestPort)
+	}
+	return out
 }
 
 func newLsCmd(g *globals) *cobra.Command {
@@ -45,10 +64,10 @@ func newLsCmd(g *globals) *cobra.Command {
 				return writeJSON(g.stdout, map[string]any{"sandboxes": views})
 			}
 			tw := tabwriter.NewWriter(g.stdout, 0, 4, 2, ' ', 0)
-			fmt.Fprintln(tw, "ID\tSNAPSHOT\tSTATUS\tPID\tAGE\tREADY")
+			fmt.Fprintln(tw, "ID\tSNAPSHOT\tSTATUS\tPID\tAGE\tREADY\tADDRESS")
 			for _, v := range views {
-				fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%s\t%d ms\n", v.ID, v.Snapshot, v.Status, v.PID,
-					time.Since(v.Created).Round(time.Second), v.ReadyMS)
+				fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%s\t%d ms\t%s\n", v.ID, v.Snapshot, v.Status, v.PID,
+					time.Since(v.Created).Round(time.Second), v.ReadyMS, v.address())
 			}
 			return tw.Flush()
 		},
@@ -66,10 +85,7 @@ func (g *globals) listSandboxes(ctx context.Context) ([]sandboxView, error) {
 		defer c.Close()
 		list, err := c.ListSandboxes(ctx, client.ListOptions{})
 		for _, sb := range list {
-			views = append(views, sandboxView{
-				ID: sb.ID, Snapshot: sb.SnapshotTag, Status: sb.Status, PID: sb.PID,
-				Created: sb.Created, ReadyMS: sb.ReadyMS, Metadata: sb.Metadata,
-			})
+			views = append(views, viewSandbox(sb))
 		}
 		return views, err
 	}
@@ -80,7 +96,7 @@ func (g *globals) listSandboxes(ctx context.Context) ([]sandboxView, error) {
 	defer e.Close()
 	list, err := e.List(ctx)
 	for _, sb := range list {
-		views = append(views, viewSandbox(sb))
+		views = append(views, viewSandbox(server.View(sb)))
 	}
 	return views, err
 }

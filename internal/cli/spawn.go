@@ -11,6 +11,7 @@ import (
 
 func newSpawnCmd(g *globals) *cobra.Command {
 	var req apiv1.CreateSandboxesRequest
+	var iso isoFlags
 	var meta []string
 	var asJSON bool
 	cmd := &cobra.Command{
@@ -23,6 +24,9 @@ func newSpawnCmd(g *globals) *cobra.Command {
 				return err
 			}
 			req.Metadata = md
+			if err := iso.apply(&req); err != nil {
+				return err
+			}
 			c, err := g.needRemote(cmd.Context(), "spawn")
 			if err != nil {
 				return err
@@ -39,7 +43,7 @@ func newSpawnCmd(g *globals) *cobra.Command {
 	f.StringVar(&req.SnapshotTag, "tag", "", "snapshot to fork (required)")
 	f.IntVarP(&req.N, "n", "n", 1, "number of sandboxes")
 	f.IntVar(&req.TimeoutSecs, "timeout-secs", 0, "kill each sandbox this long after it is ready (0 = never)")
-	f.IntVar(&req.MemoryLimitMiB, "memory-limit-mib", 0, "memory limit per sandbox (recorded; enforced once cgroups land)")
+	iso.register(f)
 	f.BoolVar(&req.KeepPartial, "keep-partial", false, "keep the sandboxes that came up when others failed")
 	f.StringArrayVar(&meta, "metadata", nil, "KEY=VALUE recorded with each sandbox (repeatable)")
 	f.BoolVar(&asJSON, "json", false, "print the daemon's answer as JSON")

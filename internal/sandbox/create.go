@@ -17,7 +17,9 @@ import (
 	"github.com/forkd/forkd/internal/agent/proto"
 	"github.com/forkd/forkd/internal/errdefs"
 	"github.com/forkd/forkd/internal/image"
+	"github.com/forkd/forkd/internal/netns"
 	"github.com/forkd/forkd/internal/snapshot"
+	"github.com/forkd/forkd/internal/state"
 	"github.com/forkd/forkd/internal/vmm"
 )
 
@@ -32,6 +34,9 @@ type SnapshotSpec struct {
 	Warmup []string
 	// BootTimeout bounds the parent's boot until its agent answers.
 	BootTimeout time.Duration
+	// Network gives the machine a NIC, configured in the guest before the
+	// snapshot; every child then gets its own network namespace.
+	Network bool
 }
 
 // Limits on snapshot shapes.
@@ -79,6 +84,9 @@ func (e *Engine) CreateSnapshot(ctx context.Context, spec SnapshotSpec) (*snapsh
 	if err := spec.validate(); err != nil {
 		return nil, err
 	}
+	if spec.Network && e.cfg.Net == nil {
+		return nil, errdefs.FailedPrecondition("a snapshot with a network needs per-child network namespaces, which need root")
+	}
 	if _, err := e.snaps.Get(spec.Tag); err == nil {
 		return nil, errdefs.AlreadyExists("snapshot %q already exists (forkd rmi %s to replace it)", spec.Tag, spec.Tag)
 	}
@@ -109,11 +117,43 @@ func (e *Engine) CreateSnapshot(ctx context.Context, spec SnapshotSpec) (*snapsh
 	if img.Rootfs != "" {
 		bootSpec.Disks = []vmm.Disk{{Path: img.Rootfs, ReadOnly: true}}
 	}
+	var buildRec *state.Sandbox
+	if spec.Network {
+		// The parent holds a network slot like a child, recorded so that a
+		// crash mid-build leaves nothing the next reconcile cannot find.
+		sb := &state.Sandbox{ID: newID(), Snapshot: spec.Tag, Status: state.StatusBuilding,
+			Handle: vmm.Handle{Backend: e.cfg.Backend.Name(), RunDir: bootSpec.RunDir}, Created: time.Now().UTC()}
+		if err := e.state.PutWithSlot(sb, e.cfg.Net.MaxSlots()); err != nil {
+			return nil, err
+		}
+		defer func() {
+			rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Minute)
+			defer cancel()
+			if err := e.release(rctx, sb); err != nil {
+				e.log.Warn("release parent network", "snapshot", spec.Tag, "err", err)
+			}
+			e.state.Delete(sb.ID)
+		}()
+		buildRec = sb
+		launch, nics, err := e.isolate(ctx, sb, &NetSpec{Policy: netns.DefaultPolicy})
+		if err != nil {
+			return nil, err
+		}
+		bootSpec.Launch, bootSpec.NICs = launch, nics
+		bootSpec.Cmdline = append(append([]string(nil), bootSpec.Cmdline...), guestNetCmdline()...)
+	}
 	e.progress("booting parent VM (%s, %d MiB, %d vCPU, %s)", img.Name, spec.MemoryMiB, spec.VCPUs, e.cfg.Backend.Capabilities().Accelerator)
 	start := time.Now()
 	m, err := e.cfg.Backend.Boot(ctx, bootSpec)
 	if err != nil {
 		return nil, fmt.Errorf("boot parent: %w", err)
+	}
+	if buildRec != nil {
+		// Record the parent's process, for reconcile.
+		h := m.Handle()
+		if _, err := e.state.Update(buildRec.ID, func(r *state.Sandbox) error { r.Handle = h; return nil }); err != nil {
+			e.log.Warn("record parent", "snapshot", spec.Tag, "err", err)
+		}
 	}
 	stopParent := func() {
 		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
@@ -162,6 +202,7 @@ func (e *Engine) CreateSnapshot(ctx context.Context, spec SnapshotSpec) (*snapsh
 		Preload:        img.Preload,
 		Warmup:         spec.Warmup,
 		ContentHash:    hash,
+		Network:        spec.Network,
 	}
 	if img.Rootfs != "" {
 		md.Rootfs = snapshot.FileRef{Path: img.Rootfs, SHA256: img.RootfsSHA256}

@@ -21,8 +21,10 @@ import (
 	"sync"
 
 	"github.com/forkd/forkd/internal/agent"
+	"github.com/forkd/forkd/internal/cgroup"
 	"github.com/forkd/forkd/internal/errdefs"
 	"github.com/forkd/forkd/internal/image"
+	"github.com/forkd/forkd/internal/netns"
 	"github.com/forkd/forkd/internal/snapshot"
 	"github.com/forkd/forkd/internal/state"
 	"github.com/forkd/forkd/internal/vmm"
@@ -41,6 +43,15 @@ type Config struct {
 	// VMMUser, if set, is the unprivileged user VMM processes drop to
 	// once they have opened their files.
 	VMMUser string
+	// Net, if set, gives every child of a snapshot with a NIC its own
+	// network namespace (root only). Cgroups, if set, lets children have
+	// resource limits.
+	Net     *netns.Manager
+	Cgroups *cgroup.Manager
+	// Fault, if set, is called at each step of a child's creation
+	// ("recorded", "isolated", "restored", "published"); an error it
+	// returns fails the child there. For tests of rollback.
+	Fault func(step string) error
 	// MaxParallel bounds concurrent restores across all of the engine's
 	// forks (default 2 × CPU count).
 	MaxParallel int
@@ -150,6 +161,14 @@ func (e *Engine) Backend() vmm.Backend { return e.cfg.Backend }
 
 // Config returns the engine's configuration.
 func (e *Engine) Config() Config { return e.cfg }
+
+// fault runs the test hook Config.Fault at step.
+func (e *Engine) fault(step string) error {
+	if e.cfg.Fault == nil {
+		return nil
+	}
+	return e.cfg.Fault(step)
+}
 
 func (e *Engine) progress(format string, args ...any) {
 	fmt.Fprintf(e.cfg.Progress, format+"\n", args...)

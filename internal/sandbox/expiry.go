@@ -124,8 +124,8 @@ func (x *Expirer) pass(ctx context.Context) time.Time {
 	return next
 }
 
-// reclaim removes a dead sandbox's run dir; its record stays, marked dead,
-// until it is deleted.
+// reclaim releases what a dead sandbox held (cgroup, network slot, run
+// dir); its record stays, marked dead (or oom), until it is deleted.
 func (x *Expirer) reclaim(sb *state.Sandbox) {
 	if sb.Handle.RunDir == "" {
 		return
@@ -134,7 +134,9 @@ func (x *Expirer) reclaim(sb *state.Sandbox) {
 		return
 	}
 	x.e.dropClient(sb.ID)
-	if err := os.RemoveAll(sb.Handle.RunDir); err != nil {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	if err := x.e.release(ctx, sb); err != nil {
 		x.e.log.Warn("reclaim dead sandbox", "sandbox", sb.ID, "err", err)
 	}
 }

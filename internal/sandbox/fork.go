@@ -34,6 +34,11 @@ type ForkSpec struct {
 	Timeout time.Duration
 	// Extra is recorded with each child (state.Sandbox.Extra).
 	Extra map[string]json.RawMessage
+	// Net is the children's network, for a snapshot made with a NIC
+	// (nil: the default egress policy, no published port).
+	Net *NetSpec
+	// Limits, if set, caps each child's resources (a cgroup per child).
+	Limits *state.Limits
 }
 
 // Child is the fate of one child of a batch.
@@ -84,6 +89,24 @@ func (e *Engine) Fork(ctx context.Context, spec ForkSpec) (*ForkResult, error) {
 	}
 	if snap.Backend != e.cfg.Backend.Name() {
 		return nil, errdefs.FailedPrecondition("snapshot %q was made by backend %s; this forkd uses %s", spec.Tag, snap.Backend, e.cfg.Backend.Name())
+	}
+	if snap.Network && e.cfg.Net == nil {
+		return nil, errdefs.FailedPrecondition("snapshot %q has a NIC: its children need per-child network namespaces, which need root", spec.Tag)
+	}
+	if !snap.Network && spec.Net != nil {
+		return nil, errdefs.FailedPrecondition("snapshot %q was made without a NIC, so its children have no network to configure (snapshot with --per-child-netns)", spec.Tag)
+	}
+	if spec.Net == nil {
+		spec.Net = &NetSpec{}
+	}
+	if err := spec.Net.validate(); err != nil {
+		return nil, err
+	}
+	if err := validateLimits(spec.Limits); err != nil {
+		return nil, err
+	}
+	if spec.Limits != nil && e.cfg.Cgroups == nil {
+		return nil, errdefs.FailedPrecondition("resource limits need cgroups, which need root")
 	}
 	start := time.Now()
 	res := &ForkResult{Children: make([]Child, spec.N)}
@@ -148,7 +171,17 @@ func (e *Engine) forkOne(ctx context.Context, snap *snapshot.Snapshot, spec Fork
 		Metadata: spec.Metadata,
 		Extra:    spec.Extra,
 	}
-	if err := e.state.Put(sb); err != nil {
+	if spec.Limits != nil {
+		l := *spec.Limits
+		sb.Limits = &l
+	}
+	var err error
+	if snap.Network {
+		err = e.state.PutWithSlot(sb, e.cfg.Net.MaxSlots())
+	} else {
+		err = e.state.Put(sb)
+	}
+	if err != nil {
 		c.Err = err
 		return c
 	}
@@ -159,21 +192,35 @@ func (e *Engine) forkOne(ctx context.Context, snap *snapshot.Snapshot, spec Fork
 		if m != nil {
 			m.Stop(cctx)
 		}
+		if rerr := e.release(cctx, sb); rerr != nil {
+			e.log.Warn("release failed child", "sandbox", id, "err", rerr)
+		}
 		e.state.Delete(id)
 		c.Err = fmt.Errorf("child %s: %w", id, err)
 		return c
+	}
+	if err := e.fault("recorded"); err != nil {
+		return fail(err)
+	}
+	launch, nics, err := e.isolate(ctx, sb, spec.Net)
+	if err == nil {
+		err = e.fault("isolated")
+	}
+	if err != nil {
+		return fail(err)
 	}
 	_, ref, err := e.snaps.Acquire(snap.Tag)
 	if err != nil {
 		return fail(err)
 	}
 	rspec := vmm.RestoreSpec{
-		Launch:     vmm.Launch{User: e.cfg.VMMUser},
+		Launch:     launch,
 		Name:       id,
 		RunDir:     sb.Handle.RunDir,
 		Config:     snap.Machine,
 		MemoryFile: snap.MemoryPath(),
 		StateFile:  snap.StatePath(),
+		NICs:       nics,
 		Hold:       []*os.File{ref.File},
 	}
 	if snap.Rootfs.Path != "" {
@@ -183,6 +230,9 @@ func (e *Engine) forkOne(ctx context.Context, snap *snapshot.Snapshot, spec Fork
 	defer cancel()
 	m, err = e.cfg.Backend.Restore(rctx, rspec)
 	ref.Close()
+	if err == nil {
+		err = e.fault("restored")
+	}
 	if err != nil {
 		return fail(err)
 	}
@@ -194,6 +244,16 @@ func (e *Engine) forkOne(ctx context.Context, snap *snapshot.Snapshot, spec Fork
 	if err := client.Init(rctx, initRequest(id)); err != nil {
 		client.Close()
 		return fail(fmt.Errorf("init: %w", err))
+	}
+	if sb.Net != nil && len(spec.Net.Publish) > 0 {
+		err := e.publish(rctx, sb, spec.Net.Publish)
+		if err == nil {
+			err = e.fault("published")
+		}
+		if err != nil {
+			client.Close()
+			return fail(err)
+		}
 	}
 	c.ReadyMS = msSince(start)
 	sb.Status = state.StatusRunning

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"os"
 
 	"github.com/forkd/forkd/internal/errdefs"
 	"github.com/forkd/forkd/internal/proc"
@@ -28,20 +27,15 @@ func (e *Engine) Kill(ctx context.Context, id string) error {
 	return e.state.Delete(id)
 }
 
-// stop ends a sandbox's VMM (if it still runs) and removes its run dir.
+// stop ends a sandbox's VMM (if it still runs) and releases everything
+// else it holds (cgroup, network slot, run dir).
 func (e *Engine) stop(ctx context.Context, sb *state.Sandbox) error {
-	h := sb.Handle
-	if h.Process.PID != 0 {
+	if h := sb.Handle; h.Process.PID != 0 {
 		if err := proc.Kill(ctx, h.Process); err != nil {
 			return err
 		}
 	}
-	if h.RunDir != "" {
-		if err := os.RemoveAll(h.RunDir); err != nil {
-			return err
-		}
-	}
-	return nil
+	return e.release(ctx, sb)
 }
 
 // KillAll kills every sandbox, or those of one snapshot when tag is set.
@@ -92,7 +86,8 @@ func (e *Engine) Get(ctx context.Context, id string) (*state.Sandbox, error) {
 	return sb, nil
 }
 
-// refresh marks sb dead when its VMM process no longer runs.
+// refresh marks sb dead (or oom, when its cgroup's memory limit killed
+// it) once its VMM process no longer runs, and persists that.
 func (e *Engine) refresh(sb *state.Sandbox) {
 	if sb.Status != state.StatusRunning {
 		return
@@ -100,11 +95,19 @@ func (e *Engine) refresh(sb *state.Sandbox) {
 	if proc.Alive(sb.Handle.Process) {
 		return
 	}
-	sb.Status = state.StatusDead
+	status := state.StatusDead
+	if sb.Limits != nil && e.cfg.Cgroups != nil {
+		if g, err := e.cfg.Cgroups.Open(sb.ID); err == nil {
+			if oom, err := g.OOMKilled(); err == nil && oom {
+				status = state.StatusOOM
+			}
+		}
+	}
+	sb.Status = status
 	e.dropClient(sb.ID)
 	if _, err := e.state.Update(sb.ID, func(r *state.Sandbox) error {
 		if r.Status == state.StatusRunning {
-			r.Status = state.StatusDead
+			r.Status = status
 		}
 		return nil
 	}); err != nil {

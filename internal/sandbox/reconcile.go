@@ -65,27 +65,34 @@ func (e *Engine) Reconcile(ctx context.Context) (*ReconcileReport, error) {
 				continue
 			}
 			rep.Aborted = append(rep.Aborted, sb.ID)
-		case sb.Status == state.StatusRunning && proc.Alive(sb.Handle.Process):
+		case (sb.Status == state.StatusRunning || sb.Status == state.StatusBuilding) && proc.Alive(sb.Handle.Process):
 			owned[sb.Handle.RunDir] = true
 			owners[sb.Handle.Process] = true
-			rep.Adopted = append(rep.Adopted, sb.ID)
-		default:
-			if sb.Handle.RunDir != "" {
-				if err := os.RemoveAll(sb.Handle.RunDir); err != nil {
-					errs = append(errs, err)
-				}
-			}
 			if sb.Status == state.StatusRunning {
-				if _, err := e.state.Update(sb.ID, func(r *state.Sandbox) error {
-					r.Status = state.StatusDead
-					return nil
-				}); err != nil {
-					errs = append(errs, err)
-					continue
-				}
+				rep.Adopted = append(rep.Adopted, sb.ID)
+			}
+		case sb.Status == state.StatusBuilding:
+			// A parent whose build died: nothing of it is kept.
+			if err := e.stop(ctx, sb); err != nil {
+				errs = append(errs, fmt.Errorf("abort build %s: %w", sb.ID, err))
+				continue
+			}
+			if err := e.state.Delete(sb.ID); err != nil {
+				errs = append(errs, err)
+			}
+		default:
+			wasRunning := sb.Status == state.StatusRunning
+			e.refresh(sb) // dead, or oom: read before the cgroup goes
+			if err := e.release(ctx, sb); err != nil {
+				errs = append(errs, err)
+			}
+			if wasRunning {
 				rep.Dead = append(rep.Dead, sb.ID)
 			}
 		}
+	}
+	if err := e.reclaimIsolation(ctx); err != nil {
+		errs = append(errs, err)
 	}
 
 	procs, err := e.vmmProcesses()
@@ -225,4 +232,36 @@ func parentAlive(procDir string) bool {
 	}
 	ppid, err := strconv.Atoi(string(f[1]))
 	return err == nil && ppid > 1
+}
+
+// reclaimIsolation removes network slots and cgroups of this engine that
+// no live record holds (a crash between making and recording them, or
+// between killing a VMM and releasing them).
+func (e *Engine) reclaimIsolation(ctx context.Context) error {
+	list, err := e.state.List()
+	if err != nil {
+		return err
+	}
+	slots, groups := map[int]bool{}, map[string]bool{}
+	for _, sb := range list {
+		alive := sb.Status == state.StatusStarting || sb.Status == state.StatusBuilding ||
+			(sb.Status == state.StatusRunning && proc.Alive(sb.Handle.Process))
+		if !alive {
+			continue
+		}
+		if sb.Net != nil {
+			slots[sb.Net.Slot] = true
+		}
+		if sb.Limits != nil {
+			groups[sb.ID] = true
+		}
+	}
+	var errs []error
+	if e.cfg.Net != nil {
+		errs = append(errs, e.cfg.Net.Reclaim(ctx, func(slot int) bool { return slots[slot] }))
+	}
+	if e.cfg.Cgroups != nil {
+		errs = append(errs, e.cfg.Cgroups.Reclaim(func(name string) bool { return groups[name] }))
+	}
+	return errors.Join(errs...)
 }

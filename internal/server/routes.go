@@ -96,6 +96,8 @@ var routes = []route{
 	{Method: "GET", Path: "/v1/sandboxes/{id}", Summary: "One sandbox", Response: apiv1.Sandbox{}, h: plain((*Server).getSandbox)},
 	{Method: "DELETE", Path: "/v1/sandboxes/{id}", Summary: "Kill a sandbox and reclaim what it used", Status: http.StatusNoContent, h: plain((*Server).deleteSandbox)},
 	{Method: "POST", Path: "/v1/sandboxes/{id}/timeout", Summary: "Kill the sandbox timeout_secs from now (0: never)", Response: apiv1.Sandbox{}, h: body((*Server).setTimeout)},
+	{Method: "PUT", Path: "/v1/sandboxes/{id}/network", Summary: "Replace the sandbox's egress policy, atomically", Response: apiv1.Sandbox{}, h: body((*Server).setNetwork)},
+	{Method: "POST", Path: "/v1/sandboxes/{id}/ports", Summary: "Publish a guest TCP port on a host port", Response: apiv1.PublishedPort{}, h: body((*Server).publishPort)},
 	{Method: "POST", Path: "/v1/sandboxes/{id}/ping", Summary: "Round trip to the guest agent", Response: apiv1.PingResult{}, h: plain((*Server).ping)},
 	{Method: "POST", Path: "/v1/sandboxes/{id}/exec", Summary: "Run a process; output buffered in the result", Response: apiv1.ExecResult{}, h: body((*Server).exec)},
 	{Method: "POST", Path: "/v1/sandboxes/{id}/exec/stream", Summary: "Run a process; output streamed as NDJSON events as produced", Produces: ndjson, Response: apiv1.StreamEvent{}, h: raw((*Server).execStream, new(apiv1.ExecRequest))},

@@ -16,27 +16,18 @@ import (
 	"github.com/forkd/forkd/internal/state"
 )
 
-// extraKey is this package's key in state.Sandbox.Extra.
-const extraKey = "api"
-
-// sandboxExtra is what the API records with a sandbox beyond the engine's
-// own fields: requested limits not yet enforced by the engine.
-type sandboxExtra struct {
-	MemoryLimitMiB int                `json:"memory_limit_mib,omitempty"`
-	Network        *apiv1.NetworkSpec `json:"network,omitempty"`
-}
-
 // Bounds of request fields.
 const (
 	minMemoryLimitMiB = 64
 	maxMemoryLimitMiB = 1 << 20
 	maxNetworkRules   = 64
 	maxRulePorts      = 16
+	maxPublished      = 16
 )
 
-// forkSpec validates a create request into a fork spec. maxN is the
+// ForkSpec validates a create request into a fork spec. maxN is the
 // largest batch one request may ask for.
-func forkSpec(req *apiv1.CreateSandboxesRequest, maxN int) (sandbox.ForkSpec, error) {
+func ForkSpec(req *apiv1.CreateSandboxesRequest, maxN int) (sandbox.ForkSpec, error) {
 	var spec sandbox.ForkSpec
 	if err := snapshot.ValidateTag(req.SnapshotTag); err != nil {
 		return spec, errdefs.InvalidArgument("snapshot_tag: %v", err)
@@ -63,7 +54,14 @@ func forkSpec(req *apiv1.CreateSandboxesRequest, maxN int) (sandbox.ForkSpec, er
 	if m := req.MemoryLimitMiB; m != 0 && (m < minMemoryLimitMiB || m > maxMemoryLimitMiB) {
 		return spec, errdefs.InvalidArgument("memory_limit_mib = %d: want 0 (none) or %d to %d", m, minMemoryLimitMiB, maxMemoryLimitMiB)
 	}
-	if err := validateNetwork(req.Network); err != nil {
+	if req.CPUs < 0 || req.CPUs > 1024 {
+		return spec, errdefs.InvalidArgument("cpus = %g: want 0 (no limit) or a positive number of cores", req.CPUs)
+	}
+	if req.PIDsLimit < 0 || req.PIDsLimit > 1<<22 {
+		return spec, errdefs.InvalidArgument("pids_limit = %d: want 0 (no limit) or a positive number", req.PIDsLimit)
+	}
+	pol, err := NetworkPolicy(req.Network)
+	if err != nil {
 		return spec, err
 	}
 	md := req.Metadata
@@ -74,24 +72,32 @@ func forkSpec(req *apiv1.CreateSandboxesRequest, maxN int) (sandbox.ForkSpec, er
 		Tag: req.SnapshotTag, N: n, Metadata: md, KeepPartial: req.KeepPartial,
 		Timeout: time.Duration(req.TimeoutSecs) * time.Second,
 	}
-	if req.MemoryLimitMiB != 0 || req.Network != nil {
-		b, err := json.Marshal(sandboxExtra{MemoryLimitMiB: req.MemoryLimitMiB, Network: req.Network})
-		if err != nil {
-			return spec, err
-		}
-		spec.Extra = map[string]json.RawMessage{extraKey: b}
+	if req.Network != nil {
+		spec.Net = &sandbox.NetSpec{Policy: pol, Publish: req.Network.Publish}
+	}
+	if req.MemoryLimitMiB != 0 || req.CPUs != 0 || req.PIDsLimit != 0 {
+		spec.Limits = &state.Limits{MemoryMiB: int64(req.MemoryLimitMiB), CPUs: req.CPUs, PIDs: int64(req.PIDsLimit)}
 	}
 	return spec, nil
 }
 
-// validateNetwork checks a network spec by the rules the network layer
-// enforces (netns.Policy), plus the API's size bounds.
-func validateNetwork(n *apiv1.NetworkSpec) error {
+// NetworkPolicy turns a network spec into the egress policy the network
+// layer enforces (netns.Policy), checking its rules and the API's size
+// bounds. A nil spec is the default policy.
+func NetworkPolicy(n *apiv1.NetworkSpec) (netns.Policy, error) {
 	if n == nil {
-		return nil
+		return netns.DefaultPolicy, nil
 	}
 	if len(n.Allow) > maxNetworkRules {
-		return errdefs.InvalidArgument("network.allow has %d rules; the limit is %d", len(n.Allow), maxNetworkRules)
+		return netns.Policy{}, errdefs.InvalidArgument("network.allow has %d rules; the limit is %d", len(n.Allow), maxNetworkRules)
+	}
+	if len(n.Publish) > maxPublished {
+		return netns.Policy{}, errdefs.InvalidArgument("network.publish has %d ports; the limit is %d", len(n.Publish), maxPublished)
+	}
+	for _, port := range n.Publish {
+		if port < 1 || port > 65535 {
+			return netns.Policy{}, errdefs.InvalidArgument("network.publish port %d: want 1 to 65535", port)
+		}
 	}
 	p := netns.Policy{Mode: netns.Mode(n.Egress)}
 	if p.Mode == "" {
@@ -100,44 +106,66 @@ func validateNetwork(n *apiv1.NetworkSpec) error {
 	for i, r := range n.Allow {
 		cidr, err := netip.ParsePrefix(r.CIDR)
 		if err != nil {
-			return errdefs.InvalidArgument("network.allow[%d].cidr %q: want a CIDR such as 10.1.0.0/16", i, r.CIDR)
+			return netns.Policy{}, errdefs.InvalidArgument("network.allow[%d].cidr %q: want a CIDR such as 10.1.0.0/16", i, r.CIDR)
 		}
 		if len(r.Ports) > maxRulePorts {
-			return errdefs.InvalidArgument("network.allow[%d] has %d port ranges; the limit is %d", i, len(r.Ports), maxRulePorts)
+			return netns.Policy{}, errdefs.InvalidArgument("network.allow[%d] has %d port ranges; the limit is %d", i, len(r.Ports), maxRulePorts)
 		}
 		rule := netns.Rule{CIDR: cidr, Proto: r.Proto}
 		for _, ps := range r.Ports {
 			pr, err := netns.ParsePortRange(ps)
 			if err != nil {
-				return fmt.Errorf("network.allow[%d].ports: %w", i, err)
+				return netns.Policy{}, fmt.Errorf("network.allow[%d].ports: %w", i, err)
 			}
 			rule.Ports = append(rule.Ports, pr)
 		}
 		p.Allow = append(p.Allow, rule)
 	}
-	if _, err := p.Validate(); err != nil {
-		return fmt.Errorf("network: %w", err)
+	p, err := p.Validate()
+	if err != nil {
+		return netns.Policy{}, fmt.Errorf("network: %w", err)
 	}
-	return nil
+	return p, nil
 }
 
-// viewSandbox is a sandbox record as the API shows it.
-func viewSandbox(sb *state.Sandbox) apiv1.Sandbox {
+// View is a sandbox record as the API shows it.
+func View(sb *state.Sandbox) apiv1.Sandbox {
 	v := apiv1.Sandbox{
 		ID: sb.ID, SnapshotTag: sb.Snapshot, Status: sb.Status, PID: sb.Handle.Process.PID,
 		Created: sb.Created, ReadyMS: sb.ReadyMS, ExpiresAt: sb.ExpiresAt, Metadata: sb.Metadata,
 	}
-	if raw, ok := sb.Extra[extraKey]; ok {
-		var x sandboxExtra
-		if json.Unmarshal(raw, &x) == nil {
-			v.MemoryLimitMiB, v.Network = x.MemoryLimitMiB, x.Network
+	if l := sb.Limits; l != nil {
+		v.MemoryLimitMiB, v.CPUs, v.PIDsLimit = int(l.MemoryMiB), l.CPUs, int(l.PIDs)
+	}
+	if n := sb.Net; n != nil && n.Address != "" {
+		sn := &apiv1.SandboxNetwork{Address: n.Address}
+		var p netns.Policy
+		if json.Unmarshal(n.Policy, &p) == nil {
+			sn.Egress, sn.Allow = string(p.Mode), wireRules(p.Allow)
 		}
+		for _, port := range n.Ports {
+			sn.Ports = append(sn.Ports, apiv1.PublishedPort{Proto: port.Proto, GuestPort: port.GuestPort, HostPort: port.HostPort})
+		}
+		v.Network = sn
 	}
 	return v
 }
 
+// wireRules is the API form of a policy's rules.
+func wireRules(rules []netns.Rule) []apiv1.NetworkRule {
+	var out []apiv1.NetworkRule
+	for _, r := range rules {
+		w := apiv1.NetworkRule{CIDR: r.CIDR.String(), Proto: r.Proto}
+		for _, pr := range r.Ports {
+			w.Ports = append(w.Ports, pr.String())
+		}
+		out = append(out, w)
+	}
+	return out
+}
+
 func (s *Server) createSandboxes(r *http.Request, req *apiv1.CreateSandboxesRequest) (any, error) {
-	spec, err := forkSpec(req, s.e.Config().MaxChildren)
+	spec, err := ForkSpec(req, s.e.Config().MaxChildren)
 	if err != nil {
 		return nil, err
 	}
@@ -159,7 +187,7 @@ func (s *Server) createSandboxes(r *http.Request, req *apiv1.CreateSandboxesRequ
 		}
 		s.metrics.created.Inc()
 		s.metrics.readyTime.Observe(c.ReadyMS / 1000)
-		out.Sandboxes = append(out.Sandboxes, viewSandbox(c.Sandbox))
+		out.Sandboxes = append(out.Sandboxes, View(c.Sandbox))
 	}
 	if len(out.Sandboxes) == 0 {
 		return nil, err
@@ -202,7 +230,7 @@ next:
 				continue next
 			}
 		}
-		out.Sandboxes = append(out.Sandboxes, viewSandbox(sb))
+		out.Sandboxes = append(out.Sandboxes, View(sb))
 	}
 	return out, nil
 }
@@ -212,7 +240,7 @@ func (s *Server) getSandbox(r *http.Request) (any, error) {
 	if err != nil {
 		return nil, err
 	}
-	return viewSandbox(sb), nil
+	return View(sb), nil
 }
 
 func (s *Server) deleteSandbox(r *http.Request) (any, error) {
@@ -228,5 +256,28 @@ func (s *Server) setTimeout(r *http.Request, req *apiv1.SetTimeoutRequest) (any,
 	if err != nil {
 		return nil, err
 	}
-	return viewSandbox(sb), nil
+	return View(sb), nil
+}
+
+func (s *Server) setNetwork(r *http.Request, req *apiv1.NetworkSpec) (any, error) {
+	if len(req.Publish) > 0 {
+		return nil, errdefs.InvalidArgument("publish ports with POST /v1/sandboxes/{id}/ports")
+	}
+	p, err := NetworkPolicy(req)
+	if err != nil {
+		return nil, err
+	}
+	sb, err := s.e.SetPolicy(r.Context(), r.PathValue("id"), p)
+	if err != nil {
+		return nil, err
+	}
+	return View(sb), nil
+}
+
+func (s *Server) publishPort(r *http.Request, req *apiv1.PublishRequest) (any, error) {
+	p, err := s.e.Publish(r.Context(), r.PathValue("id"), req.GuestPort)
+	if err != nil {
+		return nil, err
+	}
+	return apiv1.PublishedPort{Proto: p.Proto, GuestPort: p.GuestPort, HostPort: p.HostPort}, nil
 }

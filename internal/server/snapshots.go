@@ -22,6 +22,7 @@ func (s *Server) viewSnapshot(sn *snapshot.Snapshot) apiv1.Snapshot {
 		Tag: sn.Tag, Status: string(sn.Status), Image: sn.Image, Backend: sn.Backend,
 		Accelerator: sn.Accelerator, MemoryMiB: sn.MemoryMiB, VCPUs: sn.VCPUs,
 		SizeBytes: sn.SizeBytes(), Refcount: len(users), Created: sn.Created, Parent: sn.Parent, Error: sn.Error,
+		Network: sn.Network,
 	}
 }
 
@@ -102,6 +103,13 @@ func (s *Server) createSnapshot(r *http.Request, req *apiv1.CreateSnapshotReques
 	spec, err := snapshotSpec(req)
 	if err != nil {
 		return nil, err
+	}
+	spec.Network = s.e.Config().Net != nil
+	if req.Network != nil {
+		spec.Network = *req.Network
+	}
+	if spec.Network && s.e.Config().Net == nil {
+		return nil, errdefs.FailedPrecondition("network: this daemon cannot give children their own network namespaces (it does not run as root)")
 	}
 	if _, err := s.e.Snapshots().Get(spec.Tag); err == nil {
 		return nil, errdefs.AlreadyExists("snapshot %q already exists", spec.Tag)

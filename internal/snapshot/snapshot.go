@@ -77,13 +77,16 @@ type Metadata struct {
 	Rootfs         FileRef         `json:"rootfs,omitempty"`
 	MemoryMiB      int             `json:"memory_mib"`
 	VCPUs          int             `json:"vcpus"`
-	Python         string          `json:"python,omitempty"`
-	Preload        []string        `json:"preload,omitempty"`
-	Warmup         []string        `json:"warmup,omitempty"`
-	Parent         string          `json:"parent,omitempty"`
-	ParentHash     string          `json:"parent_hash,omitempty"`
-	ContentHash    string          `json:"content_hash,omitempty"`
-	Created        time.Time       `json:"created"`
+	// Network: the machine has a NIC (configured as netns.GuestAddr), so
+	// every child gets its own network namespace.
+	Network     bool      `json:"network,omitempty"`
+	Python      string    `json:"python,omitempty"`
+	Preload     []string  `json:"preload,omitempty"`
+	Warmup      []string  `json:"warmup,omitempty"`
+	Parent      string    `json:"parent,omitempty"`
+	ParentHash  string    `json:"parent_hash,omitempty"`
+	ContentHash string    `json:"content_hash,omitempty"`
+	Created     time.Time `json:"created"`
 }
 
 // Snapshot is a snapshot found in the store.

@@ -25,6 +25,8 @@ import (
 // Sandbox statuses.
 const (
 	StatusStarting = "starting"
+	// StatusBuilding is a snapshot's parent VM holding a network slot.
+	StatusBuilding = "building"
 	StatusRunning  = "running"
 	StatusDead     = "dead"
 	StatusOOM      = "oom"
@@ -40,9 +42,38 @@ type Sandbox struct {
 	ReadyMS   int64             `json:"ready_ms,omitempty"`
 	ExpiresAt time.Time         `json:"expires_at,omitzero"`
 	Metadata  map[string]string `json:"metadata,omitempty"`
-	// Extra holds records owned by other packages (network, limits),
-	// keyed by package.
+	// Net is the sandbox's own network, when it has one.
+	Net *Network `json:"net,omitempty"`
+	// Limits are the sandbox's resource limits, when it has a cgroup.
+	Limits *Limits `json:"limits,omitempty"`
+	// Extra holds records owned by other packages, keyed by package.
 	Extra map[string]json.RawMessage `json:"extra,omitempty"`
+}
+
+// Network is a sandbox's network slot: a namespace holding its tap, joined
+// to the host, with its egress policy and published ports.
+type Network struct {
+	Slot int `json:"slot"`
+	// Address is where the host reaches the guest.
+	Address string `json:"address"`
+	NetNS   string `json:"netns"`
+	// Policy is the egress policy (netns.Policy's JSON).
+	Policy json.RawMessage `json:"policy,omitempty"`
+	Ports  []Port          `json:"ports,omitempty"`
+}
+
+// Port is a guest port published on a host port.
+type Port struct {
+	Proto     string `json:"proto"`
+	GuestPort int    `json:"guest_port"`
+	HostPort  int    `json:"host_port"`
+}
+
+// Limits are the resource limits of a sandbox's cgroup.
+type Limits struct {
+	MemoryMiB int64   `json:"memory_mib,omitempty"`
+	CPUs      float64 `json:"cpus,omitempty"`
+	PIDs      int64   `json:"pids,omitempty"`
 }
 
 var bucketSandboxes = []byte("sandboxes")
@@ -213,6 +244,44 @@ func (s *Store) List() ([]*Sandbox, error) {
 		return out[i].ID < out[j].ID
 	})
 	return out, err
+}
+
+// PutWithSlot stores sb after giving sb.Net the lowest network slot in
+// [0, max) that no record holds, in one transaction, so concurrent
+// processes never share a slot.
+func (s *Store) PutWithSlot(sb *Sandbox, max int) error {
+	return s.with(true, func(bk *bolt.Bucket) error {
+		used := map[int]bool{}
+		err := bk.ForEach(func(k, v []byte) error {
+			var r Sandbox
+			if json.Unmarshal(v, &r) == nil && r.Net != nil && r.ID != sb.ID {
+				used[r.Net.Slot] = true
+			}
+			return nil
+		})
+		if err != nil {
+			return err
+		}
+		slot := -1
+		for i := 0; i < max; i++ {
+			if !used[i] {
+				slot = i
+				break
+			}
+		}
+		if slot < 0 {
+			return errdefs.ResourceExhausted("all %d network slots are in use", max)
+		}
+		if sb.Net == nil {
+			sb.Net = &Network{}
+		}
+		sb.Net.Slot = slot
+		b, err := json.Marshal(sb)
+		if err != nil {
+			return err
+		}
+		return bk.Put([]byte(sb.ID), b)
+	})
 }
 
 // Delete removes the record of id. Deleting a missing record is not an

@@ -71,3 +71,33 @@ func TestPersistentStoreLocksOthersOut(t *testing.T) {
 		t.Fatalf("second opener = %v, want Unavailable", err)
 	}
 }
+
+func TestPutWithSlot(t *testing.T) {
+	s, err := Open(filepath.Join(t.TempDir(), "state.db"), Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, id := range []string{"a", "b", "c"} {
+		sb := &Sandbox{ID: id}
+		if err := s.PutWithSlot(sb, 3); err != nil {
+			t.Fatal(err)
+		}
+		if sb.Net.Slot != i {
+			t.Fatalf("%s got slot %d, want %d", id, sb.Net.Slot, i)
+		}
+	}
+	if err := s.PutWithSlot(&Sandbox{ID: "d"}, 3); !errdefs.IsResourceExhausted(err) {
+		t.Fatalf("fourth slot of three = %v", err)
+	}
+	// A freed slot is reused; records without a network hold none.
+	s.Delete("b")
+	s.Put(&Sandbox{ID: "plain"})
+	sb := &Sandbox{ID: "e"}
+	if err := s.PutWithSlot(sb, 3); err != nil || sb.Net.Slot != 1 {
+		t.Fatalf("reuse: slot %+v, %v", sb.Net, err)
+	}
+	got, _ := s.Get("e")
+	if got.Net == nil || got.Net.Slot != 1 {
+		t.Fatalf("stored record %+v", got.Net)
+	}
+}

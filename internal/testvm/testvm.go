@@ -134,10 +134,19 @@ func Backend(t testing.TB) *qemu.Backend {
 
 // Engine returns an engine over a fresh data dir (the image cache is the
 // shared one). It kills every sandbox the test left when the test ends.
-func Engine(t testing.TB) *sandbox.Engine {
+func Engine(t testing.TB) *sandbox.Engine { return EngineWith(t, nil) }
+
+// EngineWith is Engine with its configuration adjusted by tune (if set).
+func EngineWith(t testing.TB, tune func(*sandbox.Config)) *sandbox.Engine {
 	t.Helper()
 	dir := t.TempDir()
-	e, err := sandbox.New(sandbox.Config{
+	nm, cm, err := sandbox.HostIsolation(dir, slog.New(slog.NewTextHandler(testLog{t}, nil)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := sandbox.Config{
+		Net:       nm,
+		Cgroups:   cm,
 		DataDir:   dir,
 		CacheDir:  CacheDir(t),
 		Backend:   Backend(t),
@@ -145,7 +154,11 @@ func Engine(t testing.TB) *sandbox.Engine {
 		VMMUser:   VMMUser(),
 		Progress:  testLog{t},
 		Logger:    slog.New(slog.NewTextHandler(testLog{t}, nil)),
-	})
+	}
+	if tune != nil {
+		tune(&cfg)
+	}
+	e, err := sandbox.New(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}

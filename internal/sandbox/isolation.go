@@ -1,0 +1,233 @@
+package sandbox
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/netip"
+	"os"
+	"strings"
+
+	"github.com/forkd/forkd/internal/cgroup"
+	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/netns"
+	"github.com/forkd/forkd/internal/state"
+	"github.com/forkd/forkd/internal/vmm"
+)
+
+// NetSpec is the network of children: their egress policy and the guest
+// TCP ports published on host ports.
+type NetSpec struct {
+	Policy  netns.Policy
+	Publish []int
+}
+
+// validate checks the spec and fills in the default policy.
+func (n *NetSpec) validate() error {
+	if n.Policy.Mode == "" {
+		n.Policy = netns.DefaultPolicy
+	}
+	p, err := n.Policy.Validate()
+	if err != nil {
+		return err
+	}
+	n.Policy = p
+	seen := map[int]bool{}
+	for _, port := range n.Publish {
+		if port < 1 || port > 65535 {
+			return errdefs.InvalidArgument("publish port %d: want 1 to 65535", port)
+		}
+		if seen[port] {
+			return errdefs.InvalidArgument("publish port %d given twice", port)
+		}
+		seen[port] = true
+	}
+	return nil
+}
+
+// validateLimits checks limits before any cgroup is made.
+func validateLimits(l *state.Limits) error {
+	if l == nil {
+		return nil
+	}
+	switch {
+	case l.MemoryMiB < 0 || l.MemoryMiB > 1<<20:
+		return errdefs.InvalidArgument("memory limit %d MiB: want 1 to %d", l.MemoryMiB, 1<<20)
+	case l.CPUs < 0 || l.CPUs > 1024:
+		return errdefs.InvalidArgument("cpus %g: want a positive number of CPUs", l.CPUs)
+	case l.PIDs < 0 || l.PIDs > 1<<22:
+		return errdefs.InvalidArgument("pids limit %d: want a positive number", l.PIDs)
+	}
+	return nil
+}
+
+// isolate gives sandbox sb (already recorded, with its slot when it has a
+// network) its network namespace and cgroup, records them, and returns how
+// its VMM must be launched. On error what it made is left to release.
+func (e *Engine) isolate(ctx context.Context, sb *state.Sandbox, ns *NetSpec) (vmm.Launch, []vmm.NIC, error) {
+	launch := vmm.Launch{User: e.cfg.VMMUser}
+	var nics []vmm.NIC
+	if sb.Net != nil {
+		n, err := e.cfg.Net.Create(ctx, sb.Net.Slot, ns.Policy)
+		if err != nil {
+			return launch, nil, fmt.Errorf("network: %w", err)
+		}
+		pol, _ := json.Marshal(ns.Policy)
+		sb.Net.Address, sb.Net.NetNS, sb.Net.Policy = n.ChildAddr.String(), n.NetNS, pol
+		launch.NetNS = n.NetNSPath
+		nics = []vmm.NIC{{Tap: n.Tap, MAC: n.GuestMAC}}
+	}
+	if sb.Limits != nil {
+		g, err := e.cfg.Cgroups.Create(sb.ID, cgroup.Limits{
+			MemoryMiB: sb.Limits.MemoryMiB, CPUs: sb.Limits.CPUs, PIDs: sb.Limits.PIDs,
+		})
+		if err != nil {
+			return launch, nil, fmt.Errorf("cgroup: %w", err)
+		}
+		pl := g.Placement()
+		launch.CgroupFD = pl.CgroupFD
+		if len(pl.Procs) > 0 {
+			procs := pl.Procs
+			launch.Enter = []vmm.EnterFunc{func() (func() error, error) { return e.cfg.Cgroups.EnterProcs(procs) }}
+		}
+	}
+	if err := e.state.Put(sb); err != nil {
+		return launch, nil, err
+	}
+	return launch, nics, nil
+}
+
+// release removes what a sandbox holds on the host besides its VMM: its
+// cgroup, its network slot and its run dir. Idempotent; the VMM must be
+// gone (a namespace lives on while a process is inside).
+func (e *Engine) release(ctx context.Context, sb *state.Sandbox) error {
+	var errs []error
+	if sb.Limits != nil && e.cfg.Cgroups != nil {
+		if g, err := e.cfg.Cgroups.Open(sb.ID); err == nil {
+			errs = append(errs, g.Destroy())
+		} else if !errdefs.IsNotFound(err) {
+			errs = append(errs, err)
+		}
+	}
+	if sb.Net != nil && e.cfg.Net != nil {
+		errs = append(errs, e.cfg.Net.Destroy(ctx, sb.Net.Slot))
+	}
+	if sb.Handle.RunDir != "" {
+		errs = append(errs, os.RemoveAll(sb.Handle.RunDir))
+	}
+	return errors.Join(errs...)
+}
+
+// publish publishes guest TCP ports of a running sandbox and records them.
+func (e *Engine) publish(ctx context.Context, sb *state.Sandbox, ports []int) error {
+	for _, p := range ports {
+		hp, err := e.cfg.Net.Publish(ctx, sb.Net.Slot, p, "tcp")
+		if err != nil {
+			return fmt.Errorf("publish port %d: %w", p, err)
+		}
+		sb.Net.Ports = append(sb.Net.Ports, state.Port{Proto: "tcp", GuestPort: p, HostPort: hp})
+	}
+	return nil
+}
+
+// Publish makes guest TCP port of sandbox id reachable on a host port (on
+// 127.0.0.1 and the host's addresses) and returns it. Publishing a port
+// twice returns the same host port.
+func (e *Engine) Publish(ctx context.Context, id string, port int) (state.Port, error) {
+	sb, err := e.networked(ctx, id)
+	if err != nil {
+		return state.Port{}, err
+	}
+	if port < 1 || port > 65535 {
+		return state.Port{}, errdefs.InvalidArgument("port %d: want 1 to 65535", port)
+	}
+	for _, p := range sb.Net.Ports {
+		if p.GuestPort == port && p.Proto == "tcp" {
+			return p, nil
+		}
+	}
+	hp, err := e.cfg.Net.Publish(ctx, sb.Net.Slot, port, "tcp")
+	if err != nil {
+		return state.Port{}, err
+	}
+	pub := state.Port{Proto: "tcp", GuestPort: port, HostPort: hp}
+	_, err = e.state.Update(id, func(r *state.Sandbox) error {
+		if r.Net == nil {
+			return errdefs.FailedPrecondition("sandbox %s lost its network", id)
+		}
+		r.Net.Ports = append(r.Net.Ports, pub)
+		return nil
+	})
+	return pub, err
+}
+
+// SetPolicy replaces the egress policy of a running sandbox, atomically.
+func (e *Engine) SetPolicy(ctx context.Context, id string, p netns.Policy) (*state.Sandbox, error) {
+	ns := NetSpec{Policy: p}
+	if err := ns.validate(); err != nil {
+		return nil, err
+	}
+	sb, err := e.networked(ctx, id)
+	if err != nil {
+		return nil, err
+	}
+	if err := e.cfg.Net.SetPolicy(ctx, sb.Net.Slot, ns.Policy); err != nil {
+		return nil, err
+	}
+	pol, _ := json.Marshal(ns.Policy)
+	return e.state.Update(id, func(r *state.Sandbox) error {
+		if r.Net != nil {
+			r.Net.Policy = pol
+		}
+		return nil
+	})
+}
+
+// networked returns a running sandbox that has its own network.
+func (e *Engine) networked(ctx context.Context, id string) (*state.Sandbox, error) {
+	sb, err := e.Get(ctx, id)
+	if err != nil {
+		return nil, err
+	}
+	if sb.Status != state.StatusRunning {
+		return nil, errdefs.FailedPrecondition("sandbox %s is %s", id, sb.Status)
+	}
+	if sb.Net == nil || e.cfg.Net == nil {
+		return nil, errdefs.FailedPrecondition("sandbox %s has no network of its own (its snapshot was made without one)", id)
+	}
+	return sb, nil
+}
+
+// guestNetCmdline is the kernel command line that configures a parent's
+// NIC; its children inherit the configuration.
+func guestNetCmdline() []string {
+	gw := netns.GatewayAddr
+	args := []string{
+		"forkd.ip=" + netip.PrefixFrom(netns.GuestAddr, 30).String(),
+		"forkd.gw=" + gw.String(),
+	}
+	if dns := hostResolvers(); len(dns) > 0 {
+		args = append(args, "forkd.dns="+strings.Join(dns, ","))
+	}
+	return args
+}
+
+// hostResolvers are the host's DNS servers a guest can use: those in
+// /etc/resolv.conf that are not on loopback.
+func hostResolvers() []string {
+	b, err := os.ReadFile("/etc/resolv.conf")
+	if err != nil {
+		return nil
+	}
+	var out []string
+	for _, line := range strings.Split(string(b), "\n") {
+		f := strings.Fields(line)
+		if len(f) >= 2 && f[0] == "nameserver" {
+			if a, err := netip.ParseAddr(f[1]); err == nil && a.Is4() && !a.IsLoopback() {
+				out = append(out, a.String())
+			}
+		}
+	}
+	return out
+}

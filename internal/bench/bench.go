@@ -18,6 +18,7 @@ import (
 	"github.com/forkd/forkd/internal/agent/proto"
 	"github.com/forkd/forkd/internal/image"
 	"github.com/forkd/forkd/internal/sandbox"
+	"github.com/forkd/forkd/internal/state"
 	"github.com/forkd/forkd/internal/vmm"
 )
 
@@ -70,6 +71,12 @@ type Result struct {
 	ExecPythonP50MS   float64 `json:"exec_python_p50_ms,omitempty"`
 	ExecPython        Summary `json:"exec_python,omitzero"`
 	RatioExecOverEval float64 `json:"ratio_exec_python_over_eval,omitempty"`
+
+	// With per-child networking (as root): the same fork from a snapshot
+	// with a NIC, each child in its own netns with a cgroup of limits.
+	ForkIsolatedNWallMS      float64 `json:"fork_isolated_n_wall_ms,omitempty"`
+	ForkIsolatedReady        Summary `json:"fork_isolated_ready,omitzero"`
+	IsolationAddedMSPerChild float64 `json:"isolation_added_ms_per_child,omitempty"`
 
 	ProcessForkP50MS   float64 `json:"baseline_process_fork_p50_ms"`
 	PythonStartP50MS   float64 `json:"baseline_python_c_p50_ms,omitempty"`
@@ -148,6 +155,9 @@ func Run(ctx context.Context, e *sandbox.Engine, o Options) (*Result, error) {
 	r.SnapshotMS = msSince(start)
 	defer e.RemoveSnapshot(tag)
 
+	if err := warmFork(ctx, e, sandbox.ForkSpec{Tag: tag, N: 1}); err != nil {
+		return nil, err
+	}
 	say("fork %d", o.N)
 	fr, err := e.Fork(ctx, sandbox.ForkSpec{Tag: tag, N: o.N, Metadata: map[string]string{"origin": "bench"}})
 	if err != nil {
@@ -208,6 +218,13 @@ func Run(ctx context.Context, e *sandbox.Engine, o Options) (*Result, error) {
 	}
 	r.ChildPrivate, r.ChildGuestPrivate = Summarize(priv), Summarize(guest)
 	r.ChildPrivateMiB, r.ChildGuestPrivateMiB = r.ChildPrivate.P50, r.ChildGuestPrivate.P50
+
+	if e.Config().Net != nil && e.Config().Cgroups != nil {
+		say("fork %d with per-child networking and limits", o.N)
+		if err := isolatedFork(ctx, e, img, o, r); err != nil {
+			return nil, err
+		}
+	}
 
 	if r.ForkNWallMS > 0 {
 		r.RatioColdNOverFork = r.ColdBootNWallMS / r.ForkNWallMS
@@ -299,6 +316,47 @@ func execRoundTrips(ctx context.Context, e *sandbox.Engine, id string, n int) ([
 		out = append(out, msSince(start))
 	}
 	return out, nil
+}
+
+// warmFork forks one child and kills it, so that the measured fork does
+// not pay for a cold page cache of the new snapshot.
+func warmFork(ctx context.Context, e *sandbox.Engine, spec sandbox.ForkSpec) error {
+	fr, err := e.Fork(ctx, spec)
+	if err != nil {
+		return err
+	}
+	return e.Kill(ctx, fr.Children[0].ID)
+}
+
+// isolatedFork measures a fork of o.N children that each get a network
+// namespace and a cgroup (memory, CPU and pids limits), against the plain
+// fork measured before.
+func isolatedFork(ctx context.Context, e *sandbox.Engine, img *image.Image, o Options, r *Result) error {
+	tag := fmt.Sprintf("bench-net-%d", os.Getpid())
+	if _, err := e.CreateSnapshot(ctx, sandbox.SnapshotSpec{Tag: tag, Built: img, MemoryMiB: o.MemoryMiB, Network: true}); err != nil {
+		return err
+	}
+	defer e.RemoveSnapshot(tag)
+	spec := sandbox.ForkSpec{Tag: tag, N: o.N, Metadata: map[string]string{"origin": "bench"},
+		Limits: &state.Limits{MemoryMiB: int64(o.MemoryMiB) + 256, CPUs: 1, PIDs: 256}}
+	if err := warmFork(ctx, e, sandbox.ForkSpec{Tag: tag, N: 1, Limits: spec.Limits}); err != nil {
+		return err
+	}
+	fr, err := e.Fork(ctx, spec)
+	if err != nil {
+		return err
+	}
+	kctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Minute)
+	defer cancel()
+	defer e.KillAll(kctx, tag)
+	var ready []float64
+	for _, c := range fr.Children {
+		ready = append(ready, c.ReadyMS)
+	}
+	r.ForkIsolatedNWallMS = fr.WallMS
+	r.ForkIsolatedReady = Summarize(ready)
+	r.IsolationAddedMSPerChild = r.ForkIsolatedReady.P50 - r.ForkReady.P50
+	return nil
 }
 
 // evalVsExec times numpy.zeros(5).tolist() by eval in the warm

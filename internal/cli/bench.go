@@ -70,6 +70,10 @@ func printBench(g *globals, r *bench.Result) {
 	row("snapshot (boot+save)", ms(r.SnapshotMS), "", "")
 	row(fmt.Sprintf("fork, %d children (wall)", r.N), ms(r.ForkNWallMS), "", "")
 	row("fork, per-child ready", ms(r.ForkReady.P50), ms(r.ForkReady.P90), "")
+	if r.ForkIsolatedReady.N > 0 {
+		row(fmt.Sprintf("fork, %d with netns+cgroup (wall)", r.N), ms(r.ForkIsolatedNWallMS), "", "")
+		row("  per-child ready", ms(r.ForkIsolatedReady.P50), ms(r.ForkIsolatedReady.P90), fmt.Sprintf("%+.1f ms vs plain", r.IsolationAddedMSPerChild))
+	}
 	row("private memory per child", fmt.Sprintf("%.1f MiB", r.ChildPrivate.P50), fmt.Sprintf("%.1f MiB", r.ChildPrivate.P90), "")
 	row("  of which guest pages", fmt.Sprintf("%.2f MiB", r.ChildGuestPrivate.P50), fmt.Sprintf("%.2f MiB", r.ChildGuestPrivate.P90), "")
 	row("idle CPU per child", fmt.Sprintf("%.2f %%", r.IdleCPUPctPerChild), "", "of one core")

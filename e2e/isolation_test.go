@@ -1,0 +1,106 @@
+package e2e
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/forkd/forkd/internal/testutil"
+)
+
+// TestNetworkFlags drives per-child networking and limits through the CLI:
+// snapshot with a NIC, fork with a published port and limits, reach the
+// child, change its egress live.
+func TestNetworkFlags(t *testing.T) {
+	c := newCLI(t)
+	testutil.RequireRoot(t)
+	c.ok("snapshot", "--tag", "web", "--image", "minimal", "--per-child-netns", "--warmup", "busybox httpd -p 80 -h /etc")
+	var fork struct {
+		Children []struct{ ID string } `json:"children"`
+	}
+	out := c.ok("fork", "--tag", "web", "-n", "2", "--publish", "80", "--egress", "allowlist",
+		"--allow", "198.51.100.0/24:tcp:80,443", "--memory-limit-mib", "512", "--cpus", "1", "--pids-limit", "256", "--json")
+	if err := json.Unmarshal([]byte(out), &fork); err != nil || len(fork.Children) != 2 {
+		t.Fatalf("fork: %v %s", err, out)
+	}
+	var ls struct {
+		Sandboxes []struct {
+			ID      string `json:"id"`
+			Network *struct {
+				Address string `json:"address"`
+				Egress  string `json:"egress"`
+				Allow   []struct {
+					CIDR  string   `json:"cidr"`
+					Proto string   `json:"proto"`
+					Ports []string `json:"ports"`
+				} `json:"allow"`
+				Ports []struct {
+					GuestPort int `json:"guest_port"`
+					HostPort  int `json:"host_port"`
+				} `json:"ports"`
+			} `json:"network"`
+			MemoryLimitMiB int     `json:"memory_limit_mib"`
+			CPUs           float64 `json:"cpus"`
+			PIDsLimit      int     `json:"pids_limit"`
+		} `json:"sandboxes"`
+	}
+	json.Unmarshal([]byte(c.ok("ls", "--json")), &ls)
+	if len(ls.Sandboxes) != 2 {
+		t.Fatalf("ls: %+v", ls)
+	}
+	for _, sb := range ls.Sandboxes {
+		n := sb.Network
+		if n == nil || n.Address == "" || n.Egress != "allowlist" || len(n.Allow) != 1 || n.Allow[0].CIDR != "198.51.100.0/24" ||
+			len(n.Ports) != 1 || n.Ports[0].GuestPort != 80 {
+			t.Fatalf("%s network %+v", sb.ID, n)
+		}
+		if sb.MemoryLimitMiB != 512 || sb.CPUs != 1 || sb.PIDsLimit != 256 {
+			t.Fatalf("%s limits %d %g %d", sb.ID, sb.MemoryLimitMiB, sb.CPUs, sb.PIDsLimit)
+		}
+		for _, url := range []string{
+			"http://" + n.Address + "/hostname",
+			fmt.Sprintf("http://127.0.0.1:%d/hostname", n.Ports[0].HostPort),
+		} {
+			hc := http.Client{Timeout: 5 * time.Second}
+			resp, err := hc.Get(url)
+			if err != nil {
+				t.Fatal(err)
+			}
+			b, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			if strings.TrimSpace(string(b)) != sb.ID {
+				t.Fatalf("GET %s = %q, want %s", url, b, sb.ID)
+			}
+		}
+	}
+	id := ls.Sandboxes[0].ID
+	if out := c.ok("net", id, "--egress", "deny"); !strings.Contains(out, "egress deny") {
+		t.Fatalf("net: %q", out)
+	}
+	// Publishing again returns the port already published; a new port
+	// gets its own.
+	if hp := strings.TrimSpace(c.ok("publish", id, "80")); hp != strconv.Itoa(ls.Sandboxes[0].Network.Ports[0].HostPort) {
+		t.Fatalf("publish 80 again = %s", hp)
+	}
+	if hp := strings.TrimSpace(c.ok("publish", id, "8080")); hp == "" || hp == strconv.Itoa(ls.Sandboxes[0].Network.Ports[0].HostPort) {
+		t.Fatalf("publish 8080 = %q", hp)
+	}
+	// Bad input is refused before anything happens.
+	for _, args := range [][]string{
+		{"fork", "--tag", "web", "--egress", "sometimes"},
+		{"fork", "--tag", "web", "--allow", "not-a-cidr"},
+		{"fork", "--tag", "web", "--publish", "70000"},
+		{"fork", "--tag", "web", "--cpus", "-1"},
+		{"net", id, "--egress", "deny", "--allow", "1.2.3.4/40"},
+		{"publish", id, "0"},
+	} {
+		if _, errs, code := c.run(args...); code != 2 {
+			t.Errorf("forkd %q: exit %d (%s), want 2", args, code, errs)
+		}
+	}
+}

@@ -89,6 +89,8 @@ type Snapshot struct {
 	Error       string    `json:"error,omitempty"` // why a failed snapshot failed
 	// Network: the machine has a NIC, so each child has its own network.
 	Network bool `json:"network,omitempty"`
+	// Python is the guest's warm interpreter ("" when eval is unavailable).
+	Python string `json:"python,omitempty"`
 }
 
 // SnapshotList answers GET /v1/snapshots.
@@ -108,6 +110,21 @@ type CreateSnapshotRequest struct {
 	// Network gives the machine a NIC so that every child gets its own
 	// network namespace; absent: on when the daemon can (runs as root).
 	Network *bool `json:"network,omitempty"`
+	// OCI, if set, imports an OCI image first (forkd from-image) and
+	// boots it instead of Image; the image is recorded under Tag.
+	OCI *OCISource `json:"oci,omitempty"`
+}
+
+// OCISource is an OCI image to import: a registry reference, a docker save
+// tarball or an OCI layout path, on the daemon's host.
+type OCISource struct {
+	Ref string `json:"ref"`
+	// Extra Debian/Ubuntu packages to install into the image.
+	Extra []string `json:"extra,omitempty"`
+	// Preload: Python modules the warm interpreter imports.
+	Preload []string `json:"preload,omitempty"`
+	// Insecure allows a plain-HTTP registry.
+	Insecure bool `json:"insecure,omitempty"`
 }
 
 // Operation statuses.

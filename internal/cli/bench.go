@@ -3,12 +3,14 @@ package cli
 import (
 	"fmt"
 	"os"
+	"path/filepath"
 	"text/tabwriter"
 	"time"
 
 	"github.com/spf13/cobra"
 
 	"github.com/forkd/forkd/internal/bench"
+	"github.com/forkd/forkd/internal/sandbox"
 )
 
 func newBenchCmd(g *globals) *cobra.Command {
@@ -19,10 +21,24 @@ func newBenchCmd(g *globals) *cobra.Command {
 		Short: "Measure cold boot vs fork, per-child memory and CPU, exec round trips",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			e, err := g.engine()
+			// The benchmark works in a data dir of its own (sharing the
+			// image cache), so it never meets the user's sandboxes nor a
+			// daemon holding the main state.
+			dir, err := g.resolveDataDir()
 			if err != nil {
 				return err
 			}
+			bg := *g
+			bg.dataDir = filepath.Join(dir, "bench")
+			e, err := bg.openEngine(func(c *sandbox.Config) {
+				if c.CacheDir == "" {
+					c.CacheDir = filepath.Join(dir, "cache")
+				}
+			})
+			if err != nil {
+				return err
+			}
+			defer os.RemoveAll(bg.dataDir)
 			defer e.Close()
 			o.DataDir = e.Config().DataDir
 			o.Progress = g.stderr

@@ -1,6 +1,7 @@
 package cli
 
 import (
+	"context"
 	"io"
 	"os"
 	"path/filepath"
@@ -33,29 +34,22 @@ func newCpCmd(g *globals) *cobra.Command {
 			if !strings.HasPrefix(guest, "/") {
 				return errdefs.InvalidArgument("guest path %q must be absolute", guest)
 			}
-			e, err := g.engine()
+			files, done, err := g.files(cmd.Context(), id)
 			if err != nil {
 				return err
 			}
-			defer e.Close()
-			c, release, err := e.Agent(cmd.Context(), id)
-			if err != nil {
-				return err
-			}
-			defer release()
+			defer done()
 			if dstID != "" { // host -> guest
 				in, mode, closeIn, err := openHostSource(g, srcPath)
 				if err != nil {
 					return err
 				}
 				defer closeIn()
-				_, err = c.WriteFile(cmd.Context(), guest, in, mode)
-				return err
+				return files.write(cmd.Context(), guest, in, mode)
 			}
 			// guest -> host: write a temp file next to the target, rename.
 			if dstPath == "-" {
-				_, err := c.ReadFile(cmd.Context(), guest, g.stdout)
-				return err
+				return files.read(cmd.Context(), guest, g.stdout)
 			}
 			target := dstPath
 			if st, err := os.Stat(target); err == nil && st.IsDir() {
@@ -66,7 +60,7 @@ func newCpCmd(g *globals) *cobra.Command {
 				return err
 			}
 			defer os.Remove(tmp.Name())
-			if _, err := c.ReadFile(cmd.Context(), guest, tmp); err != nil {
+			if err := files.read(cmd.Context(), guest, tmp); err != nil {
 				tmp.Close()
 				return err
 			}
@@ -104,4 +98,48 @@ func openHostSource(g *globals, path string) (io.Reader, os.FileMode, func(), er
 		return nil, 0, nil, errdefs.InvalidArgument("%s is not a regular file", path)
 	}
 	return f, st.Mode().Perm(), func() { f.Close() }, nil
+}
+
+// fileOps reads and writes one sandbox's files, through the daemon or the
+// agent directly.
+type fileOps struct {
+	read  func(ctx context.Context, path string, w io.Writer) error
+	write func(ctx context.Context, path string, r io.Reader, mode os.FileMode) error
+}
+
+// files returns the file operations of sandbox id and how to release them.
+func (g *globals) files(ctx context.Context, id string) (fileOps, func(), error) {
+	if c, err := g.remote(ctx); err != nil {
+		return fileOps{}, nil, err
+	} else if c != nil {
+		return fileOps{
+			read: func(ctx context.Context, p string, w io.Writer) error {
+				_, err := c.ReadFile(ctx, id, p, w)
+				return err
+			},
+			write: func(ctx context.Context, p string, r io.Reader, m os.FileMode) error {
+				_, err := c.WriteFile(ctx, id, p, r, uint32(m.Perm()))
+				return err
+			},
+		}, c.Close, nil
+	}
+	e, err := g.engine()
+	if err != nil {
+		return fileOps{}, nil, err
+	}
+	a, release, err := e.Agent(ctx, id)
+	if err != nil {
+		e.Close()
+		return fileOps{}, nil, err
+	}
+	return fileOps{
+			read: func(ctx context.Context, p string, w io.Writer) error { _, err := a.ReadFile(ctx, p, w); return err },
+			write: func(ctx context.Context, p string, r io.Reader, m os.FileMode) error {
+				_, err := a.WriteFile(ctx, p, r, m)
+				return err
+			},
+		}, func() {
+			release()
+			e.Close()
+		}, nil
 }

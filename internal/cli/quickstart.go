@@ -14,6 +14,8 @@ import (
 
 	"github.com/spf13/cobra"
 
+	apiv1 "github.com/forkd/forkd/api/v1"
+	"github.com/forkd/forkd/client"
 	"github.com/forkd/forkd/internal/agent"
 	"github.com/forkd/forkd/internal/agent/proto"
 	"github.com/forkd/forkd/internal/errdefs"
@@ -102,102 +104,193 @@ func quickstart(ctx context.Context, g *globals, n int, yes bool, img, tag strin
 	if _, err := os.Stat(agentPath()); err != nil {
 		return errdefs.FailedPrecondition("forkd-agent not found at %s: build it with `make build` or set FORKD_AGENT", agentPath())
 	}
-	e, err := g.engine()
+	ops, done, err := g.quickstartOps(ctx)
 	if err != nil {
 		return err
 	}
-	defer e.Close()
-	snap, err := e.Snapshots().Get(tag)
+	defer done()
+	st, err := ops.snapshot(ctx, tag)
 	switch {
-	case err == nil && snap.Status == snapshot.StatusReady && snap.Image == img &&
-		snap.Backend == e.Backend().Name() && snap.Accelerator == e.Backend().Capabilities().Accelerator:
-		say("reusing snapshot %q (image %s, made %s)", tag, img, snap.Created.Local().Format(time.DateTime))
+	case err == nil && st.usable && st.image == img:
+		say("reusing snapshot %q (image %s)", tag, img)
 	case err == nil || !errdefs.IsNotFound(err):
 		say("snapshot %q is stale or unusable here; rebuilding it", tag)
-		if _, kerr := e.KillAll(ctx, tag); kerr != nil {
-			return kerr
-		}
-		if rerr := e.RemoveSnapshot(tag); rerr != nil && !errdefs.IsNotFound(rerr) {
+		if rerr := ops.removeSnapshot(ctx, tag); rerr != nil && !errdefs.IsNotFound(rerr) {
 			return rerr
 		}
 		fallthrough
 	default:
 		say("building image %q and snapshotting it as %q", img, tag)
-		if _, err := e.CreateSnapshot(ctx, sandbox.SnapshotSpec{Tag: tag, Image: img}); err != nil {
+		if err := ops.createSnapshot(ctx, tag, img); err != nil {
+			return err
+		}
+		if st, err = ops.snapshot(ctx, tag); err != nil {
 			return err
 		}
 	}
 	// Idempotence: children of an earlier quickstart are replaced.
-	if killed, err := killOrigin(ctx, e, "quickstart"); err != nil {
+	if killed, err := ops.killOrigin(ctx, "quickstart"); err != nil {
 		return err
 	} else if killed > 0 {
 		say("killed %d children of an earlier quickstart", killed)
 	}
 	say("forking %d children of %q", n, tag)
-	res, err := e.Fork(ctx, sandbox.ForkSpec{Tag: tag, N: n, Metadata: map[string]string{"origin": "quickstart"}})
+	ids, wall, err := ops.fork(ctx, tag, n, map[string]string{"origin": "quickstart"})
 	if err != nil {
 		return err
 	}
-	say("%d children ready in %.0f ms; running a command in each", n, res.WallMS)
-	snap, err = e.Snapshots().Get(tag)
-	if err != nil {
-		return err
-	}
+	say("%d children ready in %.0f ms; running a command in each", n, wall)
 	outs := make([]string, n)
 	errs := make([]error, n)
 	var wg sync.WaitGroup
-	for i, c := range res.Children {
+	for i, id := range ids {
 		wg.Add(1)
 		go func(i int, id string) {
 			defer wg.Done()
-			outs[i], errs[i] = runIn(ctx, e, id, snap.Python != "")
-		}(i, c.ID)
+			if st.python {
+				outs[i], errs[i] = ops.eval(ctx, id, quickstartEval)
+				outs[i] = fmt.Sprintf("eval %s -> %s", quickstartEval, outs[i])
+			} else {
+				outs[i], errs[i] = ops.shell(ctx, id, quickstartShell)
+			}
+		}(i, id)
 	}
 	wg.Wait()
-	for i, c := range res.Children {
+	for i, id := range ids {
 		if errs[i] != nil {
-			fmt.Fprintf(g.stdout, "%s\tERROR %v\n", c.ID, errs[i])
+			fmt.Fprintf(g.stdout, "%s\tERROR %v\n", id, errs[i])
 			continue
 		}
-		fmt.Fprintf(g.stdout, "%s\t%s\n", c.ID, outs[i])
+		fmt.Fprintf(g.stdout, "%s\t%s\n", id, outs[i])
 	}
 	if err := errors.Join(errs...); err != nil {
 		return err
 	}
-	say("done. Try: forkd ls; forkd exec %s -- uname -a; forkd kill --all", res.Children[0].ID)
+	say("done. Try: forkd ls; forkd exec %s -- uname -a; forkd kill --all", ids[0])
 	return nil
 }
 
-// quickstartEval is what quickstart evaluates in each child of a Python
-// image: numpy is already imported in the warm interpreter.
-const quickstartEval = "numpy.zeros(5).sum()"
-
-// runIn runs quickstart's command in one child and returns its output: an
-// eval in the warm interpreter when the image has Python, else a shell
+// What quickstart runs in each child: an eval in the warm interpreter when
+// the image has Python (numpy is already imported there), else a shell
 // command.
-func runIn(ctx context.Context, e *sandbox.Engine, id string, python bool) (string, error) {
-	c, release, err := e.Agent(ctx, id)
+const (
+	quickstartEval  = "numpy.zeros(5).sum()"
+	quickstartShell = `echo "hello from $(hostname), kernel $(uname -r), up $(cut -d' ' -f1 /proc/uptime)s"`
+)
+
+// qsSnapshot is what quickstart needs to know of a snapshot.
+type qsSnapshot struct {
+	usable bool // ready, and made by this host's backend and accelerator
+	image  string
+	python bool
+}
+
+// qsOps are quickstart's steps, done locally or through a daemon.
+type qsOps interface {
+	snapshot(ctx context.Context, tag string) (qsSnapshot, error)
+	removeSnapshot(ctx context.Context, tag string) error // kills its children first
+	createSnapshot(ctx context.Context, tag, img string) error
+	killOrigin(ctx context.Context, origin string) (int, error)
+	fork(ctx context.Context, tag string, n int, md map[string]string) ([]string, float64, error)
+	eval(ctx context.Context, id, code string) (string, error)
+	shell(ctx context.Context, id, cmd string) (string, error)
+}
+
+// quickstartOps picks the daemon when one serves the data dir.
+func (g *globals) quickstartOps(ctx context.Context) (qsOps, func(), error) {
+	if c, err := g.remote(ctx); err != nil {
+		return nil, nil, err
+	} else if c != nil {
+		return remoteQS{c}, c.Close, nil
+	}
+	e, err := g.engine()
+	if err != nil {
+		return nil, nil, err
+	}
+	return localQS{e}, func() { e.Close() }, nil
+}
+
+type localQS struct{ e *sandbox.Engine }
+
+func (l localQS) snapshot(ctx context.Context, tag string) (qsSnapshot, error) {
+	snap, err := l.e.Snapshots().Get(tag)
+	if err != nil {
+		return qsSnapshot{}, err
+	}
+	be := l.e.Backend()
+	return qsSnapshot{
+		usable: snap.Status == snapshot.StatusReady && snap.Backend == be.Name() &&
+			snap.Accelerator == be.Capabilities().Accelerator && snap.Network == (l.e.Config().Net != nil),
+		image: snap.Image, python: snap.Python != "",
+	}, nil
+}
+
+func (l localQS) removeSnapshot(ctx context.Context, tag string) error {
+	if _, err := l.e.KillAll(ctx, tag); err != nil {
+		return err
+	}
+	return l.e.RemoveSnapshot(tag)
+}
+
+func (l localQS) createSnapshot(ctx context.Context, tag, img string) error {
+	_, err := l.e.CreateSnapshot(ctx, sandbox.SnapshotSpec{Tag: tag, Image: img, Network: l.e.Config().Net != nil})
+	return err
+}
+
+func (l localQS) killOrigin(ctx context.Context, origin string) (int, error) {
+	list, err := l.e.List(ctx)
+	if err != nil {
+		return 0, err
+	}
+	n := 0
+	for _, sb := range list {
+		if sb.Metadata["origin"] != origin {
+			continue
+		}
+		if err := l.e.Kill(ctx, sb.ID); err != nil {
+			return n, err
+		}
+		n++
+	}
+	return n, nil
+}
+
+func (l localQS) fork(ctx context.Context, tag string, n int, md map[string]string) ([]string, float64, error) {
+	res, err := l.e.Fork(ctx, sandbox.ForkSpec{Tag: tag, N: n, Metadata: md})
+	if err != nil {
+		return nil, 0, err
+	}
+	ids := make([]string, len(res.Children))
+	for i, c := range res.Children {
+		ids[i] = c.ID
+	}
+	return ids, res.WallMS, nil
+}
+
+func (l localQS) eval(ctx context.Context, id, code string) (string, error) {
+	c, release, err := l.e.Agent(ctx, id)
 	if err != nil {
 		return "", err
 	}
 	defer release()
-	if python {
-		res, err := c.Eval(ctx, proto.EvalRequest{Code: quickstartEval, Timeout: time.Minute})
-		if err != nil {
-			return "", err
-		}
-		if res.Error != nil {
-			return "", fmt.Errorf("eval: %s: %s", res.Error.Name, res.Error.Message)
-		}
-		return fmt.Sprintf("eval %s -> %s (%d ms)", quickstartEval, res.Value, res.DurationMS), nil
+	res, err := c.Eval(ctx, proto.EvalRequest{Code: code, Timeout: time.Minute})
+	if err != nil {
+		return "", err
 	}
+	if res.Error != nil {
+		return "", fmt.Errorf("eval: %s: %s", res.Error.Name, res.Error.Message)
+	}
+	return res.Value, nil
+}
+
+func (l localQS) shell(ctx context.Context, id, cmd string) (string, error) {
+	c, release, err := l.e.Agent(ctx, id)
+	if err != nil {
+		return "", err
+	}
+	defer release()
 	var out strings.Builder
-	res, err := c.Exec(ctx, agent.ExecRequest{
-		Shell:   `echo "hello from $(hostname), kernel $(uname -r), up $(cut -d' ' -f1 /proc/uptime)s"`,
-		Stdout:  &out,
-		Stderr:  &out,
-		Timeout: time.Minute,
-	})
+	res, err := c.Exec(ctx, agent.ExecRequest{Shell: cmd, Stdout: &out, Stderr: &out, Timeout: time.Minute})
 	if err != nil {
 		return "", err
 	}
@@ -207,22 +300,83 @@ func runIn(ctx context.Context, e *sandbox.Engine, id string, python bool) (stri
 	return strings.TrimSpace(out.String()), nil
 }
 
-func killOrigin(ctx context.Context, e *sandbox.Engine, origin string) (int, error) {
-	list, err := e.List(ctx)
+type remoteQS struct{ c *client.Client }
+
+func (r remoteQS) snapshot(ctx context.Context, tag string) (qsSnapshot, error) {
+	s, err := r.c.GetSnapshot(ctx, tag)
+	if err != nil {
+		return qsSnapshot{}, err
+	}
+	return qsSnapshot{usable: s.Status == apiv1.SnapshotReady, image: s.Image, python: s.Python != ""}, nil
+}
+
+func (r remoteQS) removeSnapshot(ctx context.Context, tag string) error {
+	list, err := r.c.ListSandboxes(ctx, client.ListOptions{Snapshot: tag})
+	if err != nil {
+		return err
+	}
+	for _, sb := range list {
+		if err := r.c.DeleteSandbox(ctx, sb.ID); err != nil && !errdefs.IsNotFound(err) {
+			return err
+		}
+	}
+	return r.c.DeleteSnapshot(ctx, tag)
+}
+
+func (r remoteQS) createSnapshot(ctx context.Context, tag, img string) error {
+	op, err := r.c.CreateSnapshot(ctx, apiv1.CreateSnapshotRequest{Tag: tag, Image: img})
+	if err != nil {
+		return err
+	}
+	_, err = r.c.WaitOperation(ctx, op.ID)
+	return err
+}
+
+func (r remoteQS) killOrigin(ctx context.Context, origin string) (int, error) {
+	list, err := r.c.ListSandboxes(ctx, client.ListOptions{Metadata: map[string]string{"origin": origin}})
 	if err != nil {
 		return 0, err
 	}
-	n := 0
-	for _, sb := range list {
-		if sb.Metadata["origin"] != origin {
-			continue
+	for i, sb := range list {
+		if err := r.c.DeleteSandbox(ctx, sb.ID); err != nil && !errdefs.IsNotFound(err) {
+			return i, err
 		}
-		if err := e.Kill(ctx, sb.ID); err != nil {
-			return n, err
-		}
-		n++
 	}
-	return n, nil
+	return len(list), nil
+}
+
+func (r remoteQS) fork(ctx context.Context, tag string, n int, md map[string]string) ([]string, float64, error) {
+	res, err := r.c.CreateSandboxes(ctx, apiv1.CreateSandboxesRequest{SnapshotTag: tag, N: n, Metadata: md})
+	if err != nil {
+		return nil, 0, err
+	}
+	ids := make([]string, len(res.Sandboxes))
+	for i, sb := range res.Sandboxes {
+		ids[i] = sb.ID
+	}
+	return ids, res.WallMS, nil
+}
+
+func (r remoteQS) eval(ctx context.Context, id, code string) (string, error) {
+	res, err := r.c.Eval(ctx, id, apiv1.EvalRequest{Code: code, TimeoutSecs: 60})
+	if err != nil {
+		return "", err
+	}
+	if res.Error != nil {
+		return "", fmt.Errorf("eval: %s: %s", res.Error.Name, res.Error.Message)
+	}
+	return res.Value, nil
+}
+
+func (r remoteQS) shell(ctx context.Context, id, cmd string) (string, error) {
+	res, err := r.c.Exec(ctx, id, apiv1.ExecRequest{Shell: cmd, TimeoutSecs: 60})
+	if err != nil {
+		return "", err
+	}
+	if res.ExitCode != 0 {
+		return "", fmt.Errorf("exit %d: %s", res.ExitCode, res.Stdout+res.Stderr)
+	}
+	return strings.TrimSpace(res.Stdout), nil
 }
 
 // needVMMUser reports whether, as root, the system user QEMU drops to is

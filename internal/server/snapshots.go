@@ -12,8 +12,9 @@ import (
 
 // Bounds of snapshot requests.
 const (
-	maxWarmups     = 32
-	maxWarmupBytes = 4096
+	maxExtraPackages = 64
+	maxWarmups       = 32
+	maxWarmupBytes   = 4096
 )
 
 func (s *Server) viewSnapshot(sn *snapshot.Snapshot) apiv1.Snapshot {
@@ -22,7 +23,7 @@ func (s *Server) viewSnapshot(sn *snapshot.Snapshot) apiv1.Snapshot {
 		Tag: sn.Tag, Status: string(sn.Status), Image: sn.Image, Backend: sn.Backend,
 		Accelerator: sn.Accelerator, MemoryMiB: sn.MemoryMiB, VCPUs: sn.VCPUs,
 		SizeBytes: sn.SizeBytes(), Refcount: len(users), Created: sn.Created, Parent: sn.Parent, Error: sn.Error,
-		Network: sn.Network,
+		Network: sn.Network, Python: sn.Python,
 	}
 }
 
@@ -111,6 +112,16 @@ func (s *Server) createSnapshot(r *http.Request, req *apiv1.CreateSnapshotReques
 	if spec.Network && s.e.Config().Net == nil {
 		return nil, errdefs.FailedPrecondition("network: this daemon cannot give children their own network namespaces (it does not run as root)")
 	}
+	var oci *image.OCIOptions
+	if req.OCI != nil {
+		if req.OCI.Ref == "" || len(req.OCI.Ref) > 4096 {
+			return nil, errdefs.InvalidArgument("oci.ref: want an image reference, tarball or layout path")
+		}
+		if len(req.OCI.Extra) > maxExtraPackages || len(req.OCI.Preload) > maxExtraPackages {
+			return nil, errdefs.InvalidArgument("oci: at most %d extra packages and %d preloaded modules", maxExtraPackages, maxExtraPackages)
+		}
+		oci = &image.OCIOptions{Tag: spec.Tag, Extra: req.OCI.Extra, Preload: req.OCI.Preload, Insecure: req.OCI.Insecure}
+	}
 	if _, err := s.e.Snapshots().Get(spec.Tag); err == nil {
 		return nil, errdefs.AlreadyExists("snapshot %q already exists", spec.Tag)
 	}
@@ -128,7 +139,13 @@ func (s *Server) createSnapshot(r *http.Request, req *apiv1.CreateSnapshotReques
 			return
 		}
 		defer func() { <-s.builds }()
-		_, err := s.e.CreateSnapshot(s.base, spec)
+		var err error
+		if oci != nil {
+			spec.Built, err = s.e.Images().FromOCI(s.base, req.OCI.Ref, *oci)
+		}
+		if err == nil {
+			_, err = s.e.CreateSnapshot(s.base, spec)
+		}
 		if err != nil {
 			s.log.Warn("snapshot build failed", "snapshot", spec.Tag, "operation", op.ID, "err", err)
 		}

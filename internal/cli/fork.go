@@ -29,6 +29,9 @@ func newForkCmd(g *globals) *cobra.Command {
 				return err
 			}
 			req.Metadata = md
+			if req.N < 1 {
+				return errdefs.InvalidArgument("-n %d: want at least 1", req.N)
+			}
 			if err := iso.apply(&req); err != nil {
 				return err
 			}

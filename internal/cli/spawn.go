@@ -24,6 +24,9 @@ func newSpawnCmd(g *globals) *cobra.Command {
 				return err
 			}
 			req.Metadata = md
+			if req.N < 1 {
+				return errdefs.InvalidArgument("-n %d: want at least 1", req.N)
+			}
 			if err := iso.apply(&req); err != nil {
 				return err
 			}

@@ -26,6 +26,11 @@ func TestServerVM(t *testing.T) {
 	d := startDaemon(t, testvm.Backend(t), sandbox.Limits{MaxSandboxes: 20}, func(ec *sandbox.Config, _ *Config) {
 		ec.CacheDir = testvm.CacheDir(t)
 		ec.AgentPath = testvm.AgentBinary(t)
+		ec.VMMUser = testvm.VMMUser()
+		var err error
+		if ec.Net, ec.Cgroups, err = sandbox.HostIsolation(ec.DataDir, ec.Logger); err != nil {
+			t.Fatal(err)
+		}
 	})
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()

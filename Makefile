@@ -1,6 +1,9 @@
 # forkd: build, quickstart, tests. See README.md.
 GO ?= go
 FORKD_TEST_TIMEOUT ?= 60m
+# Built images (kernel, initramfs, debootstrapped rootfs) are shared by every
+# test package and kept between runs.
+FORKD_TEST_CACHE ?= /var/tmp/forkd-test-cache
 # Packages whose tests run in CI; everything under ./...
 PKGS ?= ./...
 
@@ -23,12 +26,12 @@ vet:
 	$(GO) vet ./...
 
 fmt-check:
-	@out=$$(gofmt -l cmd internal); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
+	@out=$$(gofmt -l cmd internal api client e2e); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 
 # Unit, root and VM tiers. As root with the packages installed every tier
 # runs; FORKD_TEST_STRICT=1 (set by CI) turns any skip into a failure.
 test: deps build vet fmt-check
-	FORKD_AGENT=$(CURDIR)/bin/forkd-agent $(GO) test -count=1 -timeout $(FORKD_TEST_TIMEOUT) $(PKGS)
+	FORKD_AGENT=$(CURDIR)/bin/forkd-agent FORKD_TEST_CACHE=$(FORKD_TEST_CACHE) $(GO) test -count=1 -timeout $(FORKD_TEST_TIMEOUT) $(PKGS)
 	$(GO) test -run=^$$ -fuzz=FuzzDecodeCreateSandbox -fuzztime=20s ./internal/server
 
 clean:

@@ -419,4 +419,3 @@ func startIn(cmd *exec.Cmd, launch vmm.Launch) error {
 }
 
 var errStopped = errors.New("machine stopped")
-

@@ -15,6 +15,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/forkd/forkd/internal/cleanup"
 	"github.com/forkd/forkd/internal/errdefs"
 )
 
@@ -449,24 +450,20 @@ func (m *Manager) EnterProcs(procs []string) (restore func() error, err error) {
 	}
 	runtime.LockOSThread()
 	tid := strconv.Itoa(unix.Gettid())
-	undo := func(n int) error {
-		var errs []error
-		for i := n - 1; i >= 0; i-- {
-			errs = append(errs, write(moves[i].back, "tasks", tid))
-		}
-		return errors.Join(errs...)
-	}
-	for i, mv := range moves {
+	var undo cleanup.Stack
+	for _, mv := range moves {
 		if err := write(mv.to, "tasks", tid); err != nil {
-			if uerr := undo(i); uerr != nil {
+			if uerr := undo.Run(); uerr != nil {
 				return nil, errors.Join(err, uerr) // thread stays locked
 			}
 			runtime.UnlockOSThread()
 			return nil, err
 		}
+		undo.Add(func() error { return write(mv.back, "tasks", tid) })
 	}
+	back := undo.Release()
 	return func() error {
-		if err := undo(len(moves)); err != nil {
+		if err := back(); err != nil {
 			return err
 		}
 		runtime.UnlockOSThread()

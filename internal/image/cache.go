@@ -18,6 +18,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/forkd/forkd/internal/cleanup"
 	"github.com/forkd/forkd/internal/errdefs"
 )
 
@@ -121,11 +122,11 @@ func (b *Builder) ensureDir(ctx context.Context, kind, key string, valid func(di
 	if err != nil {
 		return "", err
 	}
-	var cl cleanup
-	cl.add(func() error { return removeTree(staging) })
+	var cl cleanup.Stack
+	cl.Add(func() error { return removeTree(staging) })
 	defer func() {
 		if err != nil {
-			err = errors.Join(err, cl.run())
+			err = errors.Join(err, cl.Run())
 		}
 	}()
 	// The staging directory stays 0700 while it is built: an image's
@@ -149,7 +150,7 @@ func (b *Builder) ensureDir(ctx context.Context, kind, key string, valid func(di
 	if err := os.Rename(staging, final); err != nil {
 		return "", err
 	}
-	cl.release()
+	cl.Release()
 	return final, syncDir(parent)
 }
 
@@ -370,23 +371,4 @@ func hashKey(parts ...string) string {
 		fmt.Fprintf(h, "%d:%s;", len(p), p)
 	}
 	return hex.EncodeToString(h.Sum(nil))
-}
-
-// cleanup is a stack of undo functions: after each acquisition its undo is
-// added; on failure run undoes in reverse order and joins the errors.
-type cleanup struct{ fns []func() error }
-
-func (c *cleanup) add(f func() error) { c.fns = append(c.fns, f) }
-
-// release forgets the undo functions: the work is kept.
-func (c *cleanup) release() { c.fns = nil }
-
-// run undoes everything added, last first, and returns the joined errors.
-func (c *cleanup) run() error {
-	var errs []error
-	for i := len(c.fns) - 1; i >= 0; i-- {
-		errs = append(errs, c.fns[i]())
-	}
-	c.fns = nil
-	return errors.Join(errs...)
 }

@@ -13,6 +13,7 @@ import (
 	vnetns "github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 
+	"github.com/forkd/forkd/internal/cleanup"
 	"github.com/forkd/forkd/internal/errdefs"
 )
 
@@ -49,13 +50,13 @@ func (m *Manager) Create(ctx context.Context, slot int, p Policy) (_ *Net, err e
 	defer m.lockSlot(slot)()
 	n := m.netFor(slot)
 
-	var undo cleanup
+	var undo cleanup.Stack
 	// Runs last on failure, once this slot's namespace is gone: the host
 	// table goes too if no other slot is left.
-	undo.add(m.dropHostIfUnused)
+	undo.Add(m.dropHostIfUnused)
 	defer func() {
 		if err != nil {
-			err = errors.Join(err, undo.run())
+			err = errors.Join(err, undo.Run())
 		}
 	}()
 	step := func(name string) error {
@@ -79,7 +80,7 @@ func (m *Manager) Create(ctx context.Context, slot int, p Policy) (_ *Net, err e
 	if err := createNamed(n.NetNSPath); err != nil {
 		return nil, wrap(stepNetNS, err)
 	}
-	undo.add(func() error { return deleteNamed(n.NetNSPath) })
+	undo.Add(func() error { return deleteNamed(n.NetNSPath) })
 	ns, err := vnetns.GetFromPath(n.NetNSPath)
 	if err != nil {
 		return nil, wrap(stepNetNS, err)
@@ -105,7 +106,7 @@ func (m *Manager) Create(ctx context.Context, slot int, p Policy) (_ *Net, err e
 		}
 		return nil, wrap(stepVeth, err)
 	}
-	undo.add(func() error { return deleteLink(n.HostLink) })
+	undo.Add(func() error { return deleteLink(n.HostLink) })
 
 	if err := step(stepHostAddr); err != nil {
 		return nil, err
@@ -180,7 +181,7 @@ func (m *Manager) Create(ctx context.Context, slot int, p Policy) (_ *Net, err e
 	m.mu.Lock()
 	m.policies[slot] = p
 	m.mu.Unlock()
-	undo.release()
+	undo.Release()
 	return &n, nil
 }
 

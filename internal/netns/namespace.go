@@ -11,6 +11,7 @@ import (
 	vnetns "github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 
+	"github.com/forkd/forkd/internal/cleanup"
 	"github.com/forkd/forkd/internal/errdefs"
 )
 
@@ -73,21 +74,21 @@ func StartIn(nsPath string, cmd *exec.Cmd, steps ...EnterFunc) error {
 		// otherwise the goroutine exits locked and the runtime discards
 		// its thread, which cannot harm cmd once started.
 		runtime.LockOSThread()
-		var undo cleanup
+		var undo cleanup.Stack
 		for _, step := range steps {
 			restore, err := step()
 			if err != nil {
-				uerr := undo.run()
+				uerr := undo.Run()
 				if uerr == nil {
 					runtime.UnlockOSThread()
 				}
 				errc <- errors.Join(err, uerr)
 				return
 			}
-			undo.add(restore)
+			undo.Add(restore)
 		}
 		err := cmd.Start()
-		if undo.run() == nil {
+		if undo.Run() == nil {
 			runtime.UnlockOSThread()
 		}
 		errc <- err

@@ -13,6 +13,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/forkd/forkd/internal/cleanup"
 	"github.com/forkd/forkd/internal/errdefs"
 	"github.com/forkd/forkd/internal/image/deb"
 )
@@ -105,12 +106,9 @@ func (tl Tools) InstallPackages(ctx context.Context, t *Tree, pkgs []string, pro
 		return err
 	}
 
-	var restores []func() error
+	var restores cleanup.Stack
 	defer func() {
-		for i := len(restores) - 1; i >= 0; i-- {
-			err = errors.Join(err, restores[i]())
-		}
-		err = errors.Join(err, clearAptLists(t))
+		err = errors.Join(err, restores.Run(), clearAptLists(t))
 	}()
 	resolv := tl.ResolvConf
 	if resolv == "" {
@@ -121,19 +119,19 @@ func (tl Tools) InstallPackages(ctx context.Context, t *Tree, pkgs []string, pro
 		if err != nil {
 			return err
 		}
-		restores = append(restores, r)
+		restores.Add(r)
 	}
 	r, err := swapFile(t, "usr/sbin/policy-rc.d", []byte("#!/bin/sh\nexit 101\n"), 0o755)
 	if err != nil {
 		return err
 	}
-	restores = append(restores, r)
+	restores.Add(r)
 	if !hasAptSources(t) {
 		r, err := borrowHostSources(t, osr)
 		if err != nil {
 			return err
 		}
-		restores = append(restores, r)
+		restores.Add(r)
 	}
 
 	tail := &tailWriter{max: 4096}
@@ -242,29 +240,22 @@ func borrowHostSources(t *Tree, osr map[string]string) (func() error, error) {
 		m, _ := filepath.Glob(pat)
 		files = append(files, m...)
 	}
-	var undo []func() error
-	restore := func() error {
-		var errs []error
-		for i := len(undo) - 1; i >= 0; i-- {
-			errs = append(errs, undo[i]())
-		}
-		return errors.Join(errs...)
+	if len(files) == 0 {
+		return nil, errdefs.FailedPrecondition("neither the image nor the host has apt sources")
 	}
+	var undo cleanup.Stack
 	for _, f := range files {
 		b, err := os.ReadFile(f)
 		if err != nil {
-			return nil, errors.Join(err, restore())
+			return nil, errors.Join(err, undo.Run())
 		}
 		r, err := swapFile(t, strings.TrimPrefix(f, "/"), b, 0o644)
 		if err != nil {
-			return nil, errors.Join(err, restore())
+			return nil, errors.Join(err, undo.Run())
 		}
-		undo = append(undo, r)
+		undo.Add(r)
 	}
-	if len(undo) == 0 {
-		return nil, errdefs.FailedPrecondition("neither the image nor the host has apt sources")
-	}
-	return restore, nil
+	return undo.Release(), nil
 }
 
 // clearAptLists removes the package lists apt-get update fetched.

@@ -10,6 +10,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/fsutil"
 	"github.com/forkd/forkd/internal/sandbox"
 )
 
@@ -55,23 +56,9 @@ func newCpCmd(g *globals) *cobra.Command {
 			if st, err := os.Stat(target); err == nil && st.IsDir() {
 				target = filepath.Join(target, filepath.Base(guest))
 			}
-			tmp, err := os.CreateTemp(filepath.Dir(target), "."+filepath.Base(target)+".forkd-*")
-			if err != nil {
-				return err
-			}
-			defer os.Remove(tmp.Name())
-			if err := files.read(cmd.Context(), guest, tmp); err != nil {
-				tmp.Close()
-				return err
-			}
-			if err := tmp.Sync(); err != nil {
-				tmp.Close()
-				return err
-			}
-			if err := tmp.Close(); err != nil {
-				return err
-			}
-			return os.Rename(tmp.Name(), target)
+			return fsutil.WriteWith(target, 0o600, func(w io.Writer) error {
+				return files.read(cmd.Context(), guest, w)
+			})
 		},
 	}
 }

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/fsutil"
 	"github.com/forkd/forkd/internal/image/initramfs"
 	"github.com/forkd/forkd/internal/image/kernel"
 )
@@ -142,7 +143,7 @@ func (b *Builder) ensureBusybox(ctx context.Context) (*busyboxEntry, error) {
 		if err != nil {
 			return err
 		}
-		if err := writeFileSync(filepath.Join(staging, "applets"), []byte(strings.Join(applets, "\n")+"\n")); err != nil {
+		if err := fsutil.CreateFile(filepath.Join(staging, "applets"), []byte(strings.Join(applets, "\n")+"\n"), 0o644); err != nil {
 			return err
 		}
 		return os.RemoveAll(work)

@@ -20,6 +20,7 @@ import (
 
 	"github.com/forkd/forkd/internal/cleanup"
 	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/fsutil"
 )
 
 // Cache layout under Builder.CacheDir (every name below is validated as a
@@ -134,7 +135,7 @@ func (b *Builder) ensureDir(ctx context.Context, kind, key string, valid func(di
 	if err := build(ctx, staging); err != nil {
 		return "", err
 	}
-	if err := syncDir(staging); err != nil {
+	if err := fsutil.SyncDir(staging); err != nil {
 		return "", err
 	}
 	if err := os.Chmod(staging, 0o755); err != nil {
@@ -151,7 +152,7 @@ func (b *Builder) ensureDir(ctx context.Context, kind, key string, valid func(di
 		return "", err
 	}
 	cl.Release()
-	return final, syncDir(parent)
+	return final, fsutil.SyncDir(parent)
 }
 
 // ensureFile returns <cache>/<kind>/<name>, writing it with write first if
@@ -177,61 +178,10 @@ func (b *Builder) ensureFile(ctx context.Context, kind, name string, write func(
 	if fi, err := os.Stat(final); err == nil && fi.Mode().IsRegular() {
 		return final, nil
 	}
-	if err := removeStale(parent, ".tmp-"+name+"-"); err != nil {
+	if err := removeStale(parent, fsutil.TempPrefix(name)); err != nil {
 		return "", err
 	}
-	return final, writeAtomic(final, 0o644, write)
-}
-
-// writeAtomic writes path through a synced temporary file in the same
-// directory and a rename; on failure nothing is left behind.
-func writeAtomic(path string, perm os.FileMode, write func(w io.Writer) error) (err error) {
-	dir := filepath.Dir(path)
-	f, err := os.CreateTemp(dir, ".tmp-"+filepath.Base(path)+"-")
-	if err != nil {
-		return err
-	}
-	defer func() {
-		if err != nil {
-			f.Close()
-			err = errors.Join(err, ignoreNotExist(os.Remove(f.Name())))
-		}
-	}()
-	bw := bufio.NewWriterSize(f, 1<<20)
-	if err := write(bw); err != nil {
-		return err
-	}
-	if err := bw.Flush(); err != nil {
-		return err
-	}
-	if err := f.Chmod(perm); err != nil {
-		return err
-	}
-	if err := f.Sync(); err != nil {
-		return err
-	}
-	if err := f.Close(); err != nil {
-		return err
-	}
-	if err := os.Rename(f.Name(), path); err != nil {
-		return err
-	}
-	return syncDir(dir)
-}
-
-// writeFileSync writes a new file (mode 0644) and syncs it.
-func writeFileSync(path string, data []byte) error {
-	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o644)
-	if err != nil {
-		return err
-	}
-	if _, err := f.Write(data); err != nil {
-		return errors.Join(err, f.Close())
-	}
-	if err := f.Sync(); err != nil {
-		return errors.Join(err, f.Close())
-	}
-	return f.Close()
+	return final, fsutil.WriteWith(final, 0o644, write)
 }
 
 // removeStale removes the entries of dir whose names start with prefix.
@@ -325,22 +275,6 @@ func unescapeMountinfo(s string) string {
 		b.WriteByte(s[i])
 	}
 	return b.String()
-}
-
-func syncDir(dir string) error {
-	f, err := os.Open(dir)
-	if err != nil {
-		return err
-	}
-	defer f.Close()
-	return f.Sync()
-}
-
-func ignoreNotExist(err error) error {
-	if errors.Is(err, os.ErrNotExist) {
-		return nil
-	}
-	return err
 }
 
 func randomSuffix() string {

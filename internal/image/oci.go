@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"io"
 	"os"
 	"path/filepath"
 	"runtime"
@@ -16,6 +15,7 @@ import (
 	v1 "github.com/google/go-containerregistry/pkg/v1"
 
 	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/fsutil"
 	"github.com/forkd/forkd/internal/image/deb"
 	"github.com/forkd/forkd/internal/image/oci"
 	"github.com/forkd/forkd/internal/image/rootfs"
@@ -155,10 +155,7 @@ func (b *Builder) FromOCI(ctx context.Context, ref string, o OCIOptions) (*Image
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return nil, err
 	}
-	if err := writeAtomic(filepath.Join(dir, o.Tag+".json"), 0o644, func(w io.Writer) error {
-		_, err := w.Write(append(data, '\n'))
-		return err
-	}); err != nil {
+	if err := fsutil.WriteFile(filepath.Join(dir, o.Tag+".json"), append(data, '\n'), 0o644); err != nil {
 		return nil, err
 	}
 	b.log().Info("image imported", "image", o.Tag, "ref", ref, "digest", src.Digest.String(),

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/fsutil"
 	"github.com/forkd/forkd/internal/image/rootfs"
 )
 
@@ -103,7 +104,7 @@ func (b *Builder) ensureRootfs(ctx context.Context, key string,
 		if err != nil {
 			return err
 		}
-		if err := writeFileSync(filepath.Join(staging, rootfsManifest), append(data, '\n')); err != nil {
+		if err := fsutil.CreateFile(filepath.Join(staging, rootfsManifest), append(data, '\n'), 0o644); err != nil {
 			return err
 		}
 		b.progressf("rootfs: %d MiB ext4 image (%s)", size>>20, time.Since(start).Round(time.Millisecond))

@@ -80,7 +80,7 @@ func (w *Writer) Commit(md Metadata) (*Snapshot, error) {
 		md.Created = time.Now().UTC()
 	}
 	for _, name := range []string{MemoryFile, StateFile} {
-		if err := syncFile(filepath.Join(w.dir, name)); err != nil {
+		if err := fsutil.SyncFile(filepath.Join(w.dir, name)); err != nil {
 			w.Abort()
 			return nil, fmt.Errorf("snapshot %q: %w", w.tag, err)
 		}
@@ -114,13 +114,4 @@ func (w *Writer) Abort() error {
 	err := os.RemoveAll(w.dir)
 	w.lock.Close()
 	return err
-}
-
-func syncFile(path string) error {
-	f, err := os.Open(path)
-	if err != nil {
-		return err
-	}
-	defer f.Close()
-	return f.Sync()
 }

@@ -21,6 +21,7 @@ import (
 	"strings"
 
 	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/fsutil"
 )
 
 // Tools names the host commands used. A zero field means the command of
@@ -132,7 +133,7 @@ func (t Tools) recall(name string) (Package, bool) {
 }
 
 // remember records an answer in the memo file, best effort: it is written
-// to a temporary file and renamed, so readers never see it half written.
+// atomically, so readers never see it half written.
 func (t Tools) remember(name string, p Package) {
 	if t.Memo == "" {
 		return
@@ -150,14 +151,7 @@ func (t Tools) remember(name string, p Package) {
 	if err := os.MkdirAll(filepath.Dir(t.Memo), 0o755); err != nil {
 		return
 	}
-	f, err := os.CreateTemp(filepath.Dir(t.Memo), ".tmp-"+filepath.Base(t.Memo)+"-")
-	if err != nil {
-		return
-	}
-	_, werr := f.Write(b)
-	if cerr := f.Close(); werr != nil || cerr != nil || os.Rename(f.Name(), t.Memo) != nil {
-		os.Remove(f.Name())
-	}
+	_ = fsutil.WriteFile(t.Memo, b, 0o600)
 }
 
 func (t Tools) candidate(ctx context.Context, name string) (Package, error) {

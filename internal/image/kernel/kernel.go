@@ -24,6 +24,7 @@ import (
 	"strings"
 
 	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/fsutil"
 	"github.com/forkd/forkd/internal/image/deb"
 )
 
@@ -184,7 +185,7 @@ func Fetch(ctx context.Context, s Source, pkg deb.Package, dir string, want []st
 	if err != nil {
 		return nil, err
 	}
-	if err := writeFileSync(filepath.Join(dir, ManifestFile), append(b, '\n')); err != nil {
+	if err := fsutil.CreateFile(filepath.Join(dir, ManifestFile), append(b, '\n'), 0o644); err != nil {
 		return nil, err
 	}
 	return m, nil
@@ -270,22 +271,6 @@ func copyFile(src, dst string) (string, error) {
 		return "", err
 	}
 	return hex.EncodeToString(h.Sum(nil)), nil
-}
-
-func writeFileSync(path string, data []byte) error {
-	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o644)
-	if err != nil {
-		return err
-	}
-	if _, err := f.Write(data); err != nil {
-		f.Close()
-		return err
-	}
-	if err := f.Sync(); err != nil {
-		f.Close()
-		return err
-	}
-	return f.Close()
 }
 
 func exists(path string) bool {

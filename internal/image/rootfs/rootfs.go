@@ -30,6 +30,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/fsutil"
 	"github.com/forkd/forkd/internal/image/deb"
 )
 
@@ -185,12 +186,7 @@ func (tl Tools) MakeExt4(ctx context.Context, dir, out string, o Ext4Options) (i
 		}
 		return 0, fmt.Errorf("mkfs.ext4 (%d MiB, %d inodes): %v: %s", size>>20, ninodes, err, tail.String())
 	}
-	f, err = os.Open(out)
-	if err != nil {
-		return 0, err
-	}
-	defer f.Close()
-	return size, f.Sync()
+	return size, fsutil.SyncFile(out)
 }
 
 // treeUsage returns the bytes the tree's files occupy in 4 KiB blocks

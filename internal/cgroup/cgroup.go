@@ -26,8 +26,6 @@
 package cgroup
 
 import (
-	"bufio"
-	"bytes"
 	"errors"
 	"fmt"
 	"os"
@@ -39,6 +37,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/mountinfo"
 )
 
 // Kinds of resource a group controls; each maps to one controller.
@@ -233,29 +232,17 @@ func discover(mountInfo, selfCgroup string) ([]*hierarchy, error) {
 			paths[c] = f[2]
 		}
 	}
-	mi, err := os.Open(mountInfo)
+	mounts, err := mountinfo.ParseFile(mountInfo)
 	if err != nil {
 		return nil, fmt.Errorf("mounts: %w", err)
 	}
-	defer mi.Close()
 	var out []*hierarchy
 	seen := map[string]bool{}
-	sc := bufio.NewScanner(mi)
-	sc.Buffer(make([]byte, 64<<10), 1<<20)
-	for sc.Scan() {
-		// ID PARENT MAJ:MIN ROOT MOUNTPOINT OPTS [OPTIONAL...] - FSTYPE SOURCE SUPEROPTS
-		pre, post, ok := strings.Cut(sc.Text(), " - ")
-		if !ok {
-			continue
-		}
-		pf, qf := strings.Fields(pre), strings.Fields(post)
-		if len(pf) < 5 || len(qf) < 3 {
-			continue
-		}
-		root, mnt := unescape(pf[3]), unescape(pf[4])
+	for _, mt := range mounts {
+		root, mnt := mt.Root, mt.MountPoint
 		var h *hierarchy
 		var self string
-		switch qf[0] {
+		switch mt.FSType {
 		case "cgroup2":
 			p, ok := paths[""]
 			if !ok {
@@ -264,7 +251,7 @@ func discover(mountInfo, selfCgroup string) ([]*hierarchy, error) {
 			h, self = &hierarchy{v2: true, mount: mnt}, p
 		case "cgroup":
 			var ctrls []string
-			for _, o := range strings.Split(qf[2], ",") {
+			for _, o := range strings.Split(mt.SuperOptions, ",") {
 				if _, known := paths[o]; known && !strings.HasPrefix(o, "name=") {
 					ctrls = append(ctrls, o)
 				}
@@ -283,7 +270,7 @@ func discover(mountInfo, selfCgroup string) ([]*hierarchy, error) {
 			continue
 		}
 		h.own = filepath.Join(mnt, rel)
-		key := qf[0] + ":" + strings.Join(h.controllers, ",")
+		key := mt.FSType + ":" + strings.Join(h.controllers, ",")
 		if seen[key] {
 			continue
 		}
@@ -296,9 +283,6 @@ func discover(mountInfo, selfCgroup string) ([]*hierarchy, error) {
 		}
 		seen[key] = true
 		out = append(out, h)
-	}
-	if err := sc.Err(); err != nil {
-		return nil, fmt.Errorf("mounts: %w", err)
 	}
 	return out, nil
 }
@@ -316,35 +300,6 @@ func within(path, root string) (string, bool) {
 		return "/" + rest, true
 	}
 	return "", false
-}
-
-// unescape undoes mountinfo's octal escapes (\040 for space).
-func unescape(s string) string {
-	if !strings.Contains(s, `\`) {
-		return s
-	}
-	var b bytes.Buffer
-	for i := 0; i < len(s); i++ {
-		if s[i] == '\\' && i+3 < len(s) {
-			var v byte
-			ok := true
-			for j := 1; j <= 3; j++ {
-				c := s[i+j]
-				if c < '0' || c > '7' {
-					ok = false
-					break
-				}
-				v = v*8 + (c - '0')
-			}
-			if ok {
-				b.WriteByte(v)
-				i += 3
-				continue
-			}
-		}
-		b.WriteByte(s[i])
-	}
-	return b.String()
 }
 
 // checkName accepts a single path element of safe characters.

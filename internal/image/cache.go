@@ -1,7 +1,6 @@
 package image
 
 import (
-	"bufio"
 	"context"
 	"crypto/rand"
 	"crypto/sha256"
@@ -21,6 +20,7 @@ import (
 	"github.com/forkd/forkd/internal/cleanup"
 	"github.com/forkd/forkd/internal/errdefs"
 	"github.com/forkd/forkd/internal/fsutil"
+	"github.com/forkd/forkd/internal/mountinfo"
 )
 
 // Cache layout under Builder.CacheDir (every name below is validated as a
@@ -231,50 +231,15 @@ func mountsBelow(dir string) ([]string, error) {
 		return nil, nil // no procfs: nothing to check against
 	}
 	defer f.Close()
+	mounts, err := mountinfo.Parse(f)
 	var out []string
-	sc := bufio.NewScanner(f)
-	sc.Buffer(make([]byte, 0, 64<<10), 1<<20)
-	for sc.Scan() {
-		fields := strings.Fields(sc.Text())
-		if len(fields) < 5 {
-			continue
-		}
-		mp := unescapeMountinfo(fields[4])
-		if mp == abs || strings.HasPrefix(mp, abs+"/") {
+	for _, m := range mounts {
+		if mp := m.MountPoint; mp == abs || strings.HasPrefix(mp, abs+"/") {
 			out = append(out, mp)
 		}
 	}
 	sort.Slice(out, func(i, j int) bool { return len(out[i]) > len(out[j]) })
-	return out, sc.Err()
-}
-
-// unescapeMountinfo undoes the octal escapes (\040 for space) of
-// /proc/self/mountinfo.
-func unescapeMountinfo(s string) string {
-	if !strings.Contains(s, `\`) {
-		return s
-	}
-	var b strings.Builder
-	for i := 0; i < len(s); i++ {
-		if s[i] == '\\' && i+3 < len(s) {
-			var v byte
-			ok := true
-			for _, c := range s[i+1 : i+4] {
-				if c < '0' || c > '7' {
-					ok = false
-					break
-				}
-				v = v*8 + byte(c-'0')
-			}
-			if ok {
-				b.WriteByte(v)
-				i += 3
-				continue
-			}
-		}
-		b.WriteByte(s[i])
-	}
-	return b.String()
+	return out, err
 }
 
 func randomSuffix() string {

@@ -3,9 +3,7 @@ package e2e
 import (
 	"bufio"
 	"crypto/rand"
-	"crypto/sha256"
 	"encoding/json"
-	"fmt"
 	"io"
 	"os"
 	"os/exec"
@@ -151,18 +149,6 @@ func TestExecStreams(t *testing.T) {
 	}
 }
 
-func sum(t *testing.T, path string) string {
-	t.Helper()
-	f, err := os.Open(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	h := sha256.New()
-	io.Copy(h, f)
-	return fmt.Sprintf("%x", h.Sum(nil))
-}
-
 func TestCopyAndPrivateWrites(t *testing.T) {
 	c := newCLI(t)
 	testutil.RequireRoot(t)
@@ -185,10 +171,10 @@ func TestCopyAndPrivateWrites(t *testing.T) {
 	c.ok("cp", a+":/root/big", filepath.Join(dir, "back"))
 	out := time.Since(start)
 	t.Logf("100 MiB cp: in %s, out %s", in, out)
-	if sum(t, src) != sum(t, filepath.Join(dir, "back")) {
+	if testutil.FileSHA256(t, src) != testutil.FileSHA256(t, filepath.Join(dir, "back")) {
 		t.Fatal("100 MiB file changed in the round trip")
 	}
-	if got := strings.Fields(c.ok("exec", a, "--", "sha256sum", "/root/big"))[0]; got != sum(t, src) {
+	if got := strings.Fields(c.ok("exec", a, "--", "sha256sum", "/root/big"))[0]; got != testutil.FileSHA256(t, src) {
 		t.Fatalf("guest sha256 %s", got)
 	}
 	// Writes stay private: not in the sibling, not in the shared image.

@@ -30,6 +30,7 @@ import (
 	"github.com/forkd/forkd/internal/errdefs"
 	"github.com/forkd/forkd/internal/proc"
 	"github.com/forkd/forkd/internal/state"
+	"github.com/forkd/forkd/internal/testutil"
 )
 
 // daemonProc is `forkd serve` running as a separate process.
@@ -410,7 +411,7 @@ func TestServeAcceptance(t *testing.T) {
 	if list, _ := api.ListSandboxes(ctx, client.ListOptions{}); len(list) != 0 {
 		t.Errorf("left after deleting all: %+v", list)
 	}
-	if pids := vmmsIn(filepath.Join(c.data, "run")); len(pids) != 0 {
+	if pids := testutil.ProcessesUnder(filepath.Join(c.data, "run")); len(pids) != 0 {
 		t.Errorf("QEMU processes left: %v", pids)
 	}
 	if ents, _ := os.ReadDir(filepath.Join(c.data, "run")); len(ents) != 0 {
@@ -454,23 +455,6 @@ func runEnv(t *testing.T, env []string, args ...string) string {
 		t.Errorf("forkd %v: %v: %s", args, err, errb.String())
 	}
 	return out.String()
-}
-
-// vmmsIn returns the live processes working in a directory under dir.
-func vmmsIn(dir string) []string {
-	var pids []string
-	ents, _ := os.ReadDir("/proc")
-	for _, e := range ents {
-		cwd, err := os.Readlink(filepath.Join("/proc", e.Name(), "cwd"))
-		if err != nil || !strings.HasPrefix(strings.TrimSuffix(cwd, " (deleted)"), dir+"/") {
-			continue
-		}
-		if st, err := os.ReadFile(filepath.Join("/proc", e.Name(), "stat")); err == nil && bytes.Contains(st, []byte(") Z ")) {
-			continue
-		}
-		pids = append(pids, fmt.Sprintf("%s (%s)", e.Name(), cwd))
-	}
-	return pids
 }
 
 type writerFunc func([]byte) (int, error)

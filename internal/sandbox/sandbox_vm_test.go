@@ -3,9 +3,6 @@ package sandbox_test
 import (
 	"bytes"
 	"context"
-	"crypto/sha256"
-	"fmt"
-	"io"
 	"os"
 	"path/filepath"
 	"strings"
@@ -18,6 +15,7 @@ import (
 	"github.com/forkd/forkd/internal/proc"
 	"github.com/forkd/forkd/internal/sandbox"
 	"github.com/forkd/forkd/internal/state"
+	"github.com/forkd/forkd/internal/testutil"
 	"github.com/forkd/forkd/internal/testvm"
 )
 
@@ -25,18 +23,6 @@ func ctxT(t *testing.T, d time.Duration) context.Context {
 	ctx, cancel := context.WithTimeout(context.Background(), d)
 	t.Cleanup(cancel)
 	return ctx
-}
-
-func sha(t *testing.T, path string) string {
-	t.Helper()
-	f, err := os.Open(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	h := sha256.New()
-	io.Copy(h, f)
-	return fmt.Sprintf("%x", h.Sum(nil))
 }
 
 // run executes a shell command in sandbox id and returns its stdout and
@@ -66,7 +52,7 @@ func TestForkTen(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	memBefore := sha(t, snap.MemoryPath())
+	memBefore := testutil.FileSHA256(t, snap.MemoryPath())
 
 	res, err := e.Fork(ctx, sandbox.ForkSpec{Tag: "base", N: 10})
 	if err != nil {
@@ -156,7 +142,7 @@ func TestForkTen(t *testing.T) {
 	if list, _ := e.List(ctx); len(list) != 0 {
 		t.Fatalf("records left: %v", list)
 	}
-	if got := sha(t, snap.MemoryPath()); got != memBefore {
+	if got := testutil.FileSHA256(t, snap.MemoryPath()); got != memBefore {
 		t.Fatal("snapshot memory file changed while children ran")
 	}
 	if err := e.RemoveSnapshot("base"); err != nil {

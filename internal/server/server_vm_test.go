@@ -15,6 +15,7 @@ import (
 	"github.com/forkd/forkd/client"
 	"github.com/forkd/forkd/internal/errdefs"
 	"github.com/forkd/forkd/internal/sandbox"
+	"github.com/forkd/forkd/internal/testutil"
 	"github.com/forkd/forkd/internal/testvm"
 )
 
@@ -277,27 +278,9 @@ func assertNoLeak(t *testing.T, d *daemon) {
 	if ents, _ := os.ReadDir(filepath.Join(d.data, "run")); len(ents) != 0 {
 		t.Errorf("run dirs left: %v", ents)
 	}
-	if pids := vmmsUnder(filepath.Join(d.data, "run")); len(pids) != 0 {
+	if pids := testutil.ProcessesUnder(filepath.Join(d.data, "run")); len(pids) != 0 {
 		t.Errorf("VMM processes left: %v", pids)
 	}
-}
-
-// vmmsUnder returns the pids of live processes whose working directory is
-// under dir (zombies excluded).
-func vmmsUnder(dir string) []string {
-	var pids []string
-	ents, _ := os.ReadDir("/proc")
-	for _, e := range ents {
-		cwd, err := os.Readlink(filepath.Join("/proc", e.Name(), "cwd"))
-		if err != nil || !strings.HasPrefix(strings.TrimSuffix(cwd, " (deleted)"), dir+"/") {
-			continue
-		}
-		if st, err := os.ReadFile(filepath.Join("/proc", e.Name(), "stat")); err == nil && bytes.Contains(st, []byte(") Z ")) {
-			continue
-		}
-		pids = append(pids, e.Name())
-	}
-	return pids
 }
 
 // timedWriter records when each write arrived.

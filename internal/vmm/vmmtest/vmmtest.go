@@ -5,9 +5,7 @@ package vmmtest
 
 import (
 	"context"
-	"crypto/sha256"
 	"fmt"
-	"io"
 	"os"
 	"path/filepath"
 	"syscall"
@@ -16,6 +14,7 @@ import (
 
 	"github.com/forkd/forkd/internal/errdefs"
 	"github.com/forkd/forkd/internal/proc"
+	"github.com/forkd/forkd/internal/testutil"
 	"github.com/forkd/forkd/internal/vmm"
 )
 
@@ -153,20 +152,6 @@ func (s *suite) saveStateNeedsPause(t *testing.T) {
 	}
 }
 
-func fileHash(t *testing.T, path string) string {
-	t.Helper()
-	f, err := os.Open(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	h := sha256.New()
-	if _, err := io.Copy(h, f); err != nil {
-		t.Fatal(err)
-	}
-	return fmt.Sprintf("%x", h.Sum(nil))
-}
-
 // snapshot boots a parent and saves it; it returns the restore template.
 func (s *suite) snapshot(t *testing.T) vmm.RestoreSpec {
 	t.Helper()
@@ -205,7 +190,7 @@ func (s *suite) restore(t *testing.T, tmpl vmm.RestoreSpec) vmm.Machine {
 
 func (s *suite) snapshotRestore(t *testing.T) {
 	tmpl := s.snapshot(t)
-	before := fileHash(t, tmpl.MemoryFile)
+	before := testutil.FileSHA256(t, tmpl.MemoryFile)
 	// A hold file stays open in the VMM for its life.
 	hold, err := os.Open(tmpl.StateFile)
 	if err != nil {
@@ -250,7 +235,7 @@ func (s *suite) snapshotRestore(t *testing.T) {
 	}
 	stop(a)
 	stop(b)
-	if after := fileHash(t, tmpl.MemoryFile); after != before {
+	if after := testutil.FileSHA256(t, tmpl.MemoryFile); after != before {
 		t.Fatal("memory file changed while children ran")
 	}
 }

@@ -3,36 +3,25 @@ package cli
 import (
 	"context"
 	"fmt"
-	"strings"
 
 	"github.com/spf13/cobra"
 
 	apiv1 "github.com/forkd/forkd/api/v1"
 	"github.com/forkd/forkd/client"
-	"github.com/forkd/forkd/internal/errdefs"
 	"github.com/forkd/forkd/internal/sandbox"
 	"github.com/forkd/forkd/internal/server"
 )
 
 func newForkCmd(g *globals) *cobra.Command {
-	var req apiv1.CreateSandboxesRequest
-	var iso isoFlags
+	var batch batchFlags
 	var asJSON bool
-	var meta []string
 	cmd := &cobra.Command{
 		Use:   "fork --tag TAG -n N",
 		Short: "Restore N children of a snapshot; each is ready when its agent answers",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			md, err := parseKV(meta, "--metadata")
+			req, err := batch.request()
 			if err != nil {
-				return err
-			}
-			req.Metadata = md
-			if req.N < 1 {
-				return errdefs.InvalidArgument("-n %d: want at least 1", req.N)
-			}
-			if err := iso.apply(&req); err != nil {
 				return err
 			}
 			if c, err := g.remote(cmd.Context()); err != nil {
@@ -71,31 +60,9 @@ func newForkCmd(g *globals) *cobra.Command {
 			return err
 		},
 	}
-	f := cmd.Flags()
-	f.StringVar(&req.SnapshotTag, "tag", "", "snapshot to fork (required)")
-	f.IntVarP(&req.N, "n", "n", 1, "number of children")
-	f.BoolVar(&req.KeepPartial, "keep-partial", false, "keep the children that came up when others failed")
-	iso.register(f)
-	f.StringArrayVar(&meta, "metadata", nil, "KEY=VALUE recorded with each child (repeatable)")
-	f.BoolVar(&asJSON, "json", false, `print {"children":[{"id","ready_ms"}],"wall_ms"}`)
-	cmd.MarkFlagRequired("tag")
+	batch.register(cmd, "child", "children")
+	cmd.Flags().BoolVar(&asJSON, "json", false, `print {"children":[{"id","ready_ms"}],"wall_ms"}`)
 	return cmd
-}
-
-// parseKV parses KEY=VALUE flags.
-func parseKV(kvs []string, flag string) (map[string]string, error) {
-	if len(kvs) == 0 {
-		return nil, nil
-	}
-	out := make(map[string]string, len(kvs))
-	for _, kv := range kvs {
-		k, v, ok := strings.Cut(kv, "=")
-		if !ok || k == "" {
-			return nil, errdefs.InvalidArgument("%s %q: want KEY=VALUE", flag, kv)
-		}
-		out[k] = v
-	}
-	return out, nil
 }
 
 // forkRemote is fork through the daemon, with fork's own output.

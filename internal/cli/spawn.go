@@ -10,24 +10,15 @@ import (
 )
 
 func newSpawnCmd(g *globals) *cobra.Command {
-	var req apiv1.CreateSandboxesRequest
-	var iso isoFlags
-	var meta []string
+	var batch batchFlags
 	var asJSON bool
 	cmd := &cobra.Command{
 		Use:   "spawn --tag TAG [-n N] [--timeout-secs S]",
 		Short: "Fork sandboxes through the daemon (forkd serve), with a time to live",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			md, err := parseKV(meta, "--metadata")
+			req, err := batch.request()
 			if err != nil {
-				return err
-			}
-			req.Metadata = md
-			if req.N < 1 {
-				return errdefs.InvalidArgument("-n %d: want at least 1", req.N)
-			}
-			if err := iso.apply(&req); err != nil {
 				return err
 			}
 			c, err := g.needRemote(cmd.Context(), "spawn")
@@ -42,15 +33,9 @@ func newSpawnCmd(g *globals) *cobra.Command {
 			return printSpawned(g, req.SnapshotTag, res, asJSON)
 		},
 	}
-	f := cmd.Flags()
-	f.StringVar(&req.SnapshotTag, "tag", "", "snapshot to fork (required)")
-	f.IntVarP(&req.N, "n", "n", 1, "number of sandboxes")
-	f.IntVar(&req.TimeoutSecs, "timeout-secs", 0, "kill each sandbox this long after it is ready (0 = never)")
-	iso.register(f)
-	f.BoolVar(&req.KeepPartial, "keep-partial", false, "keep the sandboxes that came up when others failed")
-	f.StringArrayVar(&meta, "metadata", nil, "KEY=VALUE recorded with each sandbox (repeatable)")
-	f.BoolVar(&asJSON, "json", false, "print the daemon's answer as JSON")
-	cmd.MarkFlagRequired("tag")
+	batch.register(cmd, "sandbox", "sandboxes")
+	cmd.Flags().IntVar(&batch.req.TimeoutSecs, "timeout-secs", 0, "kill each sandbox this long after it is ready (0 = never)")
+	cmd.Flags().BoolVar(&asJSON, "json", false, "print the daemon's answer as JSON")
 	return cmd
 }
 

@@ -1,0 +1,63 @@
+package cli
+
+import (
+	"strings"
+
+	"github.com/spf13/cobra"
+
+	apiv1 "github.com/forkd/forkd/api/v1"
+	"github.com/forkd/forkd/internal/errdefs"
+)
+
+// batchFlags are the flags fork and spawn share: the snapshot, how many
+// children, what is recorded with each, their network and limits. They
+// fill the API's create request.
+type batchFlags struct {
+	req  apiv1.CreateSandboxesRequest
+	iso  isoFlags
+	meta []string
+}
+
+// register adds the flags to cmd; one and many name the children in the
+// help ("child", "children").
+func (b *batchFlags) register(cmd *cobra.Command, one, many string) {
+	f := cmd.Flags()
+	f.StringVar(&b.req.SnapshotTag, "tag", "", "snapshot to fork (required)")
+	f.IntVarP(&b.req.N, "n", "n", 1, "number of "+many)
+	f.BoolVar(&b.req.KeepPartial, "keep-partial", false, "keep the "+many+" that came up when others failed")
+	b.iso.register(f)
+	f.StringArrayVar(&b.meta, "metadata", nil, "KEY=VALUE recorded with each "+one+" (repeatable)")
+	cmd.MarkFlagRequired("tag")
+}
+
+// request checks the flags and returns the create request they make.
+func (b *batchFlags) request() (apiv1.CreateSandboxesRequest, error) {
+	md, err := parseKV(b.meta, "--metadata")
+	if err != nil {
+		return b.req, err
+	}
+	b.req.Metadata = md
+	if b.req.N < 1 {
+		return b.req, errdefs.InvalidArgument("-n %d: want at least 1", b.req.N)
+	}
+	if err := b.iso.apply(&b.req); err != nil {
+		return b.req, err
+	}
+	return b.req, nil
+}
+
+// parseKV parses KEY=VALUE flags.
+func parseKV(kvs []string, flag string) (map[string]string, error) {
+	if len(kvs) == 0 {
+		return nil, nil
+	}
+	out := make(map[string]string, len(kvs))
+	for _, kv := range kvs {
+		k, v, ok := strings.Cut(kv, "=")
+		if !ok || k == "" {
+			return nil, errdefs.InvalidArgument("%s %q: want KEY=VALUE", flag, kv)
+		}
+		out[k] = v
+	}
+	return out, nil
+}

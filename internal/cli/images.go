@@ -3,12 +3,13 @@ package cli
 import (
 	"context"
 	"fmt"
-	"text/tabwriter"
 	"time"
 
 	"github.com/spf13/cobra"
 
 	apiv1 "github.com/forkd/forkd/api/v1"
+	"github.com/forkd/forkd/client"
+	"github.com/forkd/forkd/internal/sandbox"
 	"github.com/forkd/forkd/internal/snapshot"
 )
 
@@ -47,16 +48,10 @@ func newImagesCmd(g *globals) *cobra.Command {
 			if err != nil {
 				return err
 			}
-			if asJSON {
-				return writeJSON(g.stdout, map[string]any{"snapshots": views})
-			}
-			tw := tabwriter.NewWriter(g.stdout, 0, 4, 2, ' ', 0)
-			fmt.Fprintln(tw, "TAG\tSTATUS\tIMAGE\tMEMORY\tSIZE\tCHILDREN\tCREATED")
-			for _, v := range views {
-				fmt.Fprintf(tw, "%s\t%s\t%s\t%d MiB\t%.1f MiB\t%d\t%s\n", v.Tag, v.Status, v.Image, v.MemoryMiB,
+			return printList(g, asJSON, "snapshots", "TAG\tSTATUS\tIMAGE\tMEMORY\tSIZE\tCHILDREN\tCREATED", views, func(v snapshotView) string {
+				return fmt.Sprintf("%s\t%s\t%s\t%d MiB\t%.1f MiB\t%d\t%s", v.Tag, v.Status, v.Image, v.MemoryMiB,
 					float64(v.SizeBytes)/(1<<20), v.Refcount, v.Created.Local().Format(time.DateTime))
-			}
-			return tw.Flush()
+			})
 		},
 	}
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON")
@@ -103,26 +98,20 @@ func newRmiCmd(g *globals) *cobra.Command {
 // listSnapshots lists through the daemon when one runs, else locally.
 func (g *globals) listSnapshots(ctx context.Context) ([]snapshotView, error) {
 	views := []snapshotView{}
-	if c, err := g.remote(ctx); err != nil {
-		return nil, err
-	} else if c != nil {
-		defer c.Close()
+	err := g.throughDaemon(ctx, func(c *client.Client) error {
 		list, err := c.ListSnapshots(ctx)
 		for _, s := range list {
 			views = append(views, apiSnapshotView(s))
 		}
-		return views, err
-	}
-	e, err := g.engine()
-	if err != nil {
-		return nil, err
-	}
-	defer e.Close()
-	snaps, err := e.Snapshots().List()
-	for _, s := range snaps {
-		users, _ := e.Users(s.Tag)
-		views = append(views, viewSnapshot(s, len(users)))
-	}
+		return err
+	}, func(e *sandbox.Engine) error {
+		snaps, err := e.Snapshots().List()
+		for _, s := range snaps {
+			users, _ := e.Users(s.Tag)
+			views = append(views, viewSnapshot(s, len(users)))
+		}
+		return err
+	})
 	return views, err
 }
 

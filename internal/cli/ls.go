@@ -3,13 +3,13 @@ package cli
 import (
 	"context"
 	"fmt"
-	"text/tabwriter"
 	"time"
 
 	"github.com/spf13/cobra"
 
 	apiv1 "github.com/forkd/forkd/api/v1"
 	"github.com/forkd/forkd/client"
+	"github.com/forkd/forkd/internal/sandbox"
 	"github.com/forkd/forkd/internal/server"
 )
 
@@ -60,16 +60,10 @@ func newLsCmd(g *globals) *cobra.Command {
 			if err != nil {
 				return err
 			}
-			if asJSON {
-				return writeJSON(g.stdout, map[string]any{"sandboxes": views})
-			}
-			tw := tabwriter.NewWriter(g.stdout, 0, 4, 2, ' ', 0)
-			fmt.Fprintln(tw, "ID\tSNAPSHOT\tSTATUS\tPID\tAGE\tREADY\tADDRESS")
-			for _, v := range views {
-				fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%s\t%d ms\t%s\n", v.ID, v.Snapshot, v.Status, v.PID,
+			return printList(g, asJSON, "sandboxes", "ID\tSNAPSHOT\tSTATUS\tPID\tAGE\tREADY\tADDRESS", views, func(v sandboxView) string {
+				return fmt.Sprintf("%s\t%s\t%s\t%d\t%s\t%d ms\t%s", v.ID, v.Snapshot, v.Status, v.PID,
 					time.Since(v.Created).Round(time.Second), v.ReadyMS, v.address())
-			}
-			return tw.Flush()
+			})
 		},
 	}
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON")
@@ -79,24 +73,18 @@ func newLsCmd(g *globals) *cobra.Command {
 // listSandboxes lists through the daemon when one runs, else locally.
 func (g *globals) listSandboxes(ctx context.Context) ([]sandboxView, error) {
 	views := []sandboxView{}
-	if c, err := g.remote(ctx); err != nil {
-		return nil, err
-	} else if c != nil {
-		defer c.Close()
+	err := g.throughDaemon(ctx, func(c *client.Client) error {
 		list, err := c.ListSandboxes(ctx, client.ListOptions{})
 		for _, sb := range list {
 			views = append(views, viewSandbox(sb))
 		}
-		return views, err
-	}
-	e, err := g.engine()
-	if err != nil {
-		return nil, err
-	}
-	defer e.Close()
-	list, err := e.List(ctx)
-	for _, sb := range list {
-		views = append(views, viewSandbox(server.View(sb)))
-	}
+		return err
+	}, func(e *sandbox.Engine) error {
+		list, err := e.List(ctx)
+		for _, sb := range list {
+			views = append(views, viewSandbox(server.View(sb)))
+		}
+		return err
+	})
 	return views, err
 }

@@ -110,23 +110,15 @@ func (g *globals) files(ctx context.Context, id string) (fileOps, func(), error)
 			},
 		}, c.Close, nil
 	}
-	e, err := g.engine()
+	a, release, err := g.localAgent(ctx, id)
 	if err != nil {
-		return fileOps{}, nil, err
-	}
-	a, release, err := e.Agent(ctx, id)
-	if err != nil {
-		e.Close()
 		return fileOps{}, nil, err
 	}
 	return fileOps{
-			read: func(ctx context.Context, p string, w io.Writer) error { _, err := a.ReadFile(ctx, p, w); return err },
-			write: func(ctx context.Context, p string, r io.Reader, m os.FileMode) error {
-				_, err := a.WriteFile(ctx, p, r, m)
-				return err
-			},
-		}, func() {
-			release()
-			e.Close()
-		}, nil
+		read: func(ctx context.Context, p string, w io.Writer) error { _, err := a.ReadFile(ctx, p, w); return err },
+		write: func(ctx context.Context, p string, r io.Reader, m os.FileMode) error {
+			_, err := a.WriteFile(ctx, p, r, m)
+			return err
+		},
+	}, release, nil
 }

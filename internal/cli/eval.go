@@ -46,12 +46,7 @@ func newEvalCmd(g *globals) *cobra.Command {
 				}
 				return printEval(g, res, asJSON)
 			}
-			e, err := g.engine()
-			if err != nil {
-				return err
-			}
-			defer e.Close()
-			c, release, err := e.Agent(cmd.Context(), args[0])
+			c, release, err := g.localAgent(cmd.Context(), args[0])
 			if err != nil {
 				return err
 			}

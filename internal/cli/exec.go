@@ -45,12 +45,7 @@ func newExecCmd(g *globals) *cobra.Command {
 				}
 				return exitFor(res.ExitCode, res.Signal, res.TimedOut)
 			}
-			e, err := g.engine()
-			if err != nil {
-				return err
-			}
-			defer e.Close()
-			c, release, err := e.Agent(cmd.Context(), args[0])
+			c, release, err := g.localAgent(cmd.Context(), args[0])
 			if err != nil {
 				return err
 			}

@@ -12,6 +12,7 @@ import (
 	"github.com/forkd/forkd/client"
 	"github.com/forkd/forkd/internal/agent/proto"
 	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/sandbox"
 )
 
 // remote returns a client of the daemon serving this command's data dir,
@@ -104,6 +105,24 @@ func (g *globals) needRemote(ctx context.Context, cmd string) (*client.Client, e
 		return nil, errdefs.FailedPrecondition("%s needs a running daemon (forkd serve), and none serves this data dir; set FORKD_URL to reach one elsewhere", cmd)
 	}
 	return c, nil
+}
+
+// throughDaemon runs remote with a client of the daemon serving this data
+// dir when one runs (see remote), else local with the data dir's engine,
+// opened for the call.
+func (g *globals) throughDaemon(ctx context.Context, remote func(*client.Client) error, local func(*sandbox.Engine) error) error {
+	if c, err := g.remote(ctx); err != nil {
+		return err
+	} else if c != nil {
+		defer c.Close()
+		return remote(c)
+	}
+	e, err := g.engine()
+	if err != nil {
+		return err
+	}
+	defer e.Close()
+	return local(e)
 }
 
 // evalRemote is eval through the daemon, streaming the code's output when

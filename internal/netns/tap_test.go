@@ -1,0 +1,153 @@
+package netns
+
+import (
+	"context"
+	"os"
+	"os/exec"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/google/nftables"
+	"github.com/vishvananda/netlink"
+	vnetns "github.com/vishvananda/netns"
+	"golang.org/x/sys/unix"
+
+	"github.com/forkd/forkd/internal/testutil"
+)
+
+// TestRealTap checks the production tap: owned by the given user, in the
+// namespace, addressed as the guest's gateway, with nothing leaking.
+func TestRealTap(t *testing.T) {
+	setupWorld(t)
+	t.Parallel()
+	m := testManager(t, "fdtb", "10.201.16.0/20", false)
+	m.opts.TapUID, m.opts.TapGID = 4321, 4322
+	n := mustCreate(t, m, 7, DefaultPolicy)
+	ns, err := vnetns.GetFromPath(n.NetNSPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ns.Close()
+	h, err := netlink.NewHandleAt(ns, unix.NETLINK_ROUTE)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer h.Close()
+	l, err := h.LinkByName(TapName)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tap, ok := l.(*netlink.Tuntap)
+	if !ok || tap.Owner != 4321 || tap.Group != 4322 || tap.Mode != netlink.TUNTAP_MODE_TAP {
+		t.Fatalf("tap = %#v", l)
+	}
+	if mac := l.Attrs().HardwareAddr.String(); mac != TapMAC {
+		t.Fatalf("tap MAC %s, want the fixed %s", mac, TapMAC)
+	}
+	addrs, _ := h.AddrList(l, unix.AF_INET)
+	if len(addrs) != 1 || addrs[0].IPNet.String() != "172.16.0.1/30" {
+		t.Fatalf("tap addresses %v", addrs)
+	}
+	// The tap exists in the namespace only.
+	if _, err := netlink.LinkByName(TapName); err == nil {
+		t.Fatal("tap0 in the host namespace")
+	}
+	// The host table is rewritten by the next Create when it was lost
+	// (say, to `nft flush ruleset`), and only then.
+	c, _ := nftables.New()
+	if ok, err := hostTableCurrent(c, m.opts.Prefix, m.opts.Network); !ok || err != nil {
+		t.Fatalf("host table not current: %v", err)
+	}
+	c.DelTable(hostTable(m.opts.Prefix))
+	if err := c.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	mustCreate(t, m, 8, DefaultPolicy)
+	if ok, err := hostTableCurrent(c, m.opts.Prefix, m.opts.Network); !ok || err != nil {
+		t.Fatalf("host table not restored: %v", err)
+	}
+	for _, s := range []int{7, 8} {
+		if err := m.Destroy(context.Background(), s); err != nil {
+			t.Fatal(err)
+		}
+	}
+	assertNothingLeft(t, m)
+}
+
+// TestQEMUAttaches starts a real QEMU (paused, no guest) on a slot's tap:
+// once inside the namespace through StartIn, once unprivileged and outside
+// it, handed the tap with OpenTap. Both must attach (the tap's carrier
+// comes up), which checks that the tap's flags suit QEMU.
+func TestQEMUAttaches(t *testing.T) {
+	setupWorld(t)
+	qemu := testutil.RequireCommand(t, "qemu-system-x86_64")
+	t.Parallel()
+	m := testManager(t, "fdte", "10.201.80.0/20", false)
+	n := mustCreate(t, m, 3, DefaultPolicy)
+	ns := must(vnetns.GetFromPath(n.NetNSPath))
+	defer ns.Close()
+	h := must(netlink.NewHandleAt(ns, unix.NETLINK_ROUTE))
+	defer h.Close()
+	carrier := func() bool {
+		l, err := h.LinkByName(TapName)
+		return err == nil && l.Attrs().RawFlags&unix.IFF_LOWER_UP != 0
+	}
+	waitCarrier := func(cmd *exec.Cmd, log *strings.Builder) {
+		t.Helper()
+		for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
+			if carrier() {
+				return
+			}
+			if cmd.ProcessState != nil {
+				break
+			}
+		}
+		t.Fatalf("QEMU never attached to %s; its output: %s", TapName, log.String())
+	}
+	stop := func(cmd *exec.Cmd) {
+		cmd.Process.Kill()
+		cmd.Wait()
+		for deadline := time.Now().Add(5 * time.Second); carrier() && time.Now().Before(deadline); {
+			time.Sleep(10 * time.Millisecond)
+		}
+		if carrier() {
+			t.Fatal("carrier stays up after QEMU exited")
+		}
+	}
+	if carrier() {
+		t.Fatal("tap has a carrier before any VMM attached")
+	}
+	args := []string{"-M", "q35", "-m", "64", "-nodefaults", "-no-user-config", "-display", "none", "-S", "-accel", "tcg",
+		"-device", "virtio-net-pci,netdev=n0,mac=" + GuestMAC}
+
+	var log1 strings.Builder
+	inside := exec.Command(qemu, append(args, "-netdev", "tap,id=n0,ifname="+TapName+",script=no,downscript=no")...)
+	inside.Stdout, inside.Stderr = &log1, &log1
+	if err := StartIn(n.NetNSPath, inside); err != nil {
+		t.Fatal(err)
+	}
+	waitCarrier(inside, &log1)
+	stop(inside)
+
+	tap, err := OpenTap(n.NetNSPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var log2 strings.Builder
+	outside := exec.Command(qemu, append(args, "-netdev", "tap,id=n0,fd=3")...)
+	outside.ExtraFiles = []*os.File{tap}
+	outside.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: 65534, Gid: 65534}}
+	outside.Stdout, outside.Stderr = &log2, &log2
+	if err := outside.Start(); err != nil {
+		t.Fatal(err)
+	}
+	tap.Close()
+	waitCarrier(outside, &log2)
+	time.Sleep(200 * time.Millisecond)
+	if outside.ProcessState != nil || outside.Process.Signal(syscall.Signal(0)) != nil {
+		t.Fatalf("unprivileged QEMU exited: %s", log2.String())
+	}
+	stop(outside)
+}

@@ -20,6 +20,7 @@ import (
 	vnetns "github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 
+	"github.com/forkd/forkd/internal/mountinfo"
 	"github.com/forkd/forkd/internal/testutil"
 )
 
@@ -251,14 +252,13 @@ func leftovers(m *Manager) ([]string, error) {
 			out = append(out, "netns "+e.Name())
 		}
 	}
-	mi, err := os.ReadFile("/proc/self/mountinfo")
+	mounts, err := mountinfo.ParseFile("/proc/self/mountinfo")
 	if err != nil {
 		return nil, err
 	}
-	for _, line := range strings.Split(string(mi), "\n") {
-		f := strings.Fields(line)
-		if len(f) > 4 && strings.HasPrefix(f[4], filepath.Join(m.opts.NetNSDir, m.opts.Prefix)) {
-			out = append(out, "mount "+f[4])
+	for _, mt := range mounts {
+		if strings.HasPrefix(mt.MountPoint, filepath.Join(m.opts.NetNSDir, m.opts.Prefix)) {
+			out = append(out, "mount "+mt.MountPoint)
 		}
 	}
 	var links []netlink.Link

@@ -24,7 +24,7 @@ var errInjected = errors.New("injected failure")
 func TestCreateDestroyCycles(t *testing.T) {
 	setupWorld(t)
 	t.Parallel()
-	m := testManager(t, "fdtc", "10.201.48.0/20", false)
+	m := testManager(t, "fdtc", "10.180.48.0/20", false)
 	var failMu sync.Mutex
 	failAt := map[int]string{} // slot -> step to fail at
 	m.failAt = func(slot int, step string) error {

@@ -20,7 +20,7 @@ import (
 func TestChildren(t *testing.T) {
 	setupWorld(t)
 	t.Parallel()
-	m := testManager(t, "fdta", "10.201.0.0/20", true)
+	m := testManager(t, "fdta", "10.180.0.0/20", true)
 	ctx := context.Background()
 	var nets []*Net
 	for s := range 3 {

@@ -27,7 +27,7 @@ import (
 func TestRealTap(t *testing.T) {
 	setupWorld(t)
 	t.Parallel()
-	m := testManager(t, "fdtb", "10.201.16.0/20", false)
+	m := testManager(t, "fdtb", "10.180.16.0/20", false)
 	m.opts.TapUID, m.opts.TapGID = 4321, 4322
 	n := mustCreate(t, m, 7, DefaultPolicy)
 	ns, err := vnetns.GetFromPath(n.NetNSPath)
@@ -87,7 +87,7 @@ func TestRealTap(t *testing.T) {
 func TestStartIn(t *testing.T) {
 	setupWorld(t)
 	t.Parallel()
-	m := testManager(t, "fdtd", "10.201.64.0/20", false)
+	m := testManager(t, "fdtd", "10.180.64.0/20", false)
 	n := mustCreate(t, m, 1, DefaultPolicy)
 	cg, err := cgroup.New(cgroup.Options{Parent: fmt.Sprintf("forkd-netns-test-%d", os.Getpid())})
 	if err != nil {
@@ -172,7 +172,7 @@ func TestQEMUAttaches(t *testing.T) {
 	setupWorld(t)
 	qemu := testutil.RequireCommand(t, "qemu-system-x86_64")
 	t.Parallel()
-	m := testManager(t, "fdte", "10.201.80.0/20", false)
+	m := testManager(t, "fdte", "10.180.80.0/20", false)
 	n := mustCreate(t, m, 3, DefaultPolicy)
 	ns := must(vnetns.GetFromPath(n.NetNSPath))
 	defer ns.Close()

@@ -31,6 +31,11 @@ func (g *Group) Destroy() error {
 	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("destroy cgroup %s: %w", g.name, err)
 	}
+	// The manager's parent directory goes with its last group; it fails
+	// harmlessly while other groups (or other processes' groups) are in it.
+	for _, d := range g.dirs() {
+		unix.Rmdir(filepath.Dir(d)) // never recursive, even in tests
+	}
 	return nil
 }
 

@@ -70,10 +70,18 @@ func (m *Manager) Create(name string, l Limits) (_ *Group, err error) {
 		}
 	}
 	for _, dir := range g.dirs() {
-		if err := m.mkdirParent(filepath.Dir(dir)); err != nil {
-			return nil, err
+		// A Destroy elsewhere may remove the shared parent once it is
+		// empty, between making it and making dir in it: then again.
+		var err error
+		for try := 0; try < 3; try++ {
+			if err = m.mkdirParent(filepath.Dir(dir)); err != nil {
+				return nil, err
+			}
+			if err = m.mkdir(dir); !isNotExist(err) {
+				break
+			}
 		}
-		if err := m.mkdir(dir); err != nil {
+		if err != nil {
 			if errors.Is(err, os.ErrExist) {
 				return nil, errdefs.AlreadyExists("cgroup %s exists", dir)
 			}

@@ -221,6 +221,11 @@ type CreateSandboxesRequest struct {
 	MemoryLimitMiB int     `json:"memory_limit_mib,omitempty"`
 	CPUs           float64 `json:"cpus,omitempty"`
 	PIDsLimit      int     `json:"pids_limit,omitempty"`
+	// IOWeight (1–10000) is the relative disk share; IOReadBps and
+	// IOWriteBps cap bytes per second on the data dir's disk.
+	IOWeight   int   `json:"io_weight,omitempty"`
+	IOReadBps  int64 `json:"io_read_bps,omitempty"`
+	IOWriteBps int64 `json:"io_write_bps,omitempty"`
 	// Network is the egress policy and published ports of each sandbox;
 	// its snapshot must have been made with a network.
 	Network *NetworkSpec `json:"network,omitempty"`
@@ -265,6 +270,9 @@ type Sandbox struct {
 	MemoryLimitMiB int     `json:"memory_limit_mib,omitempty"`
 	CPUs           float64 `json:"cpus,omitempty"`
 	PIDsLimit      int     `json:"pids_limit,omitempty"`
+	IOWeight       int     `json:"io_weight,omitempty"`
+	IOReadBps      int64   `json:"io_read_bps,omitempty"`
+	IOWriteBps     int64   `json:"io_write_bps,omitempty"`
 	// Network is the sandbox's own network, when its snapshot has one.
 	Network *SandboxNetwork `json:"network,omitempty"`
 }

@@ -442,3 +442,24 @@ func TestWithin(t *testing.T) {
 		t.Fatal("within prefix")
 	}
 }
+
+func TestDeviceOf(t *testing.T) {
+	// The test binary lives on some disk or in tmpfs; either it names a
+	// block device that /sys knows, or it says why not.
+	maj, min, err := DeviceOf(os.Args[0])
+	if err != nil {
+		if !strings.Contains(err.Error(), "not a block device") {
+			t.Fatal(err)
+		}
+		return
+	}
+	if _, err := os.Stat(fmt.Sprintf("/sys/dev/block/%d:%d", maj, min)); err != nil {
+		t.Fatalf("DeviceOf = %d:%d, unknown to /sys: %v", maj, min, err)
+	}
+	if _, err := os.Stat(fmt.Sprintf("/sys/dev/block/%d:%d/partition", maj, min)); err == nil {
+		t.Fatalf("DeviceOf = %d:%d, a partition", maj, min)
+	}
+	if _, _, err := DeviceOf("/nonexistent/forkd"); err == nil {
+		t.Fatal("DeviceOf of a missing path succeeded")
+	}
+}

@@ -20,6 +20,9 @@ type isoFlags struct {
 	memoryMiB int
 	cpus      float64
 	pids      int
+	ioWeight  int
+	ioReadMB  float64
+	ioWriteMB float64
 }
 
 func (f *isoFlags) register(fs *pflag.FlagSet) {
@@ -29,6 +32,9 @@ func (f *isoFlags) register(fs *pflag.FlagSet) {
 	fs.IntVar(&f.memoryMiB, "memory-limit-mib", 0, "host memory limit per sandbox, VMM included (over it: killed, status oom)")
 	fs.Float64Var(&f.cpus, "cpus", 0, "CPU limit per sandbox, in cores (e.g. 0.5)")
 	fs.IntVar(&f.pids, "pids-limit", 0, "task limit of each sandbox's VMM process")
+	fs.IntVar(&f.ioWeight, "io-weight", 0, "relative disk share, 1 to 10000 (needs a CFQ/BFQ scheduler on cgroup v1)")
+	fs.Float64Var(&f.ioReadMB, "io-read-mbps", 0, "disk read limit per sandbox, MB/s")
+	fs.Float64Var(&f.ioWriteMB, "io-write-mbps", 0, "disk write limit per sandbox, MB/s")
 }
 
 // apply sets req's network and limits from the flags.
@@ -45,6 +51,11 @@ func (f *isoFlags) apply(req *apiv1.CreateSandboxesRequest) error {
 		req.Network = ns
 	}
 	req.MemoryLimitMiB, req.CPUs, req.PIDsLimit = f.memoryMiB, f.cpus, f.pids
+	if f.ioReadMB < 0 || f.ioWriteMB < 0 {
+		return errdefs.InvalidArgument("--io-read-mbps and --io-write-mbps must be positive")
+	}
+	req.IOWeight = f.ioWeight
+	req.IOReadBps, req.IOWriteBps = int64(f.ioReadMB*1e6), int64(f.ioWriteMB*1e6)
 	return nil
 }
 

@@ -26,6 +26,9 @@ type sandboxView struct {
 	MemoryLimitMiB int                   `json:"memory_limit_mib,omitempty"`
 	CPUs           float64               `json:"cpus,omitempty"`
 	PIDsLimit      int                   `json:"pids_limit,omitempty"`
+	IOWeight       int                   `json:"io_weight,omitempty"`
+	IOReadBps      int64                 `json:"io_read_bps,omitempty"`
+	IOWriteBps     int64                 `json:"io_write_bps,omitempty"`
 }
 
 // viewSandbox is the ls form of a sandbox as the API shows it.
@@ -34,6 +37,7 @@ func viewSandbox(sb apiv1.Sandbox) sandboxView {
 		ID: sb.ID, Snapshot: sb.SnapshotTag, Status: sb.Status, PID: sb.PID,
 		Created: sb.Created, ReadyMS: sb.ReadyMS, Metadata: sb.Metadata, Network: sb.Network,
 		MemoryLimitMiB: sb.MemoryLimitMiB, CPUs: sb.CPUs, PIDsLimit: sb.PIDsLimit,
+		IOWeight: sb.IOWeight, IOReadBps: sb.IOReadBps, IOWriteBps: sb.IOWriteBps,
 	}
 }
 

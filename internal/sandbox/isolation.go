@@ -58,6 +58,8 @@ func validateLimits(l *state.Limits) error {
 		return errdefs.InvalidArgument("cpus %g: want a positive number of CPUs", l.CPUs)
 	case l.PIDs < 0 || l.PIDs > 1<<22:
 		return errdefs.InvalidArgument("pids limit %d: want a positive number", l.PIDs)
+	case l.IOWeight > 10000:
+		return errdefs.InvalidArgument("io weight %d: want 1 to 10000", l.IOWeight)
 	}
 	return nil
 }
@@ -78,10 +80,18 @@ func (e *Engine) isolate(ctx context.Context, sb *state.Sandbox, ns *NetSpec) (v
 		launch.NetNS = n.NetNSPath
 		nics = []vmm.NIC{{Tap: n.Tap, MAC: n.GuestMAC}}
 	}
-	if sb.Limits != nil {
-		g, err := e.cfg.Cgroups.Create(sb.ID, cgroup.Limits{
-			MemoryMiB: sb.Limits.MemoryMiB, CPUs: sb.Limits.CPUs, PIDs: sb.Limits.PIDs,
-		})
+	if l := sb.Limits; l != nil {
+		cl := cgroup.Limits{MemoryMiB: l.MemoryMiB, CPUs: l.CPUs, PIDs: l.PIDs, IOWeight: l.IOWeight}
+		if l.IOReadBps > 0 || l.IOWriteBps > 0 {
+			// The VMM's disk IO is the snapshot's memory file and the
+			// image's rootfs, both on the data dir's disk (or the cache's).
+			maj, min, err := cgroup.DeviceOf(e.cfg.DataDir)
+			if err != nil {
+				return launch, nil, fmt.Errorf("io limit: %w", err)
+			}
+			cl.IO = []cgroup.IOLimit{{Major: maj, Minor: min, ReadBps: l.IOReadBps, WriteBps: l.IOWriteBps}}
+		}
+		g, err := e.cfg.Cgroups.Create(sb.ID, cl)
 		if err != nil {
 			return launch, nil, fmt.Errorf("cgroup: %w", err)
 		}

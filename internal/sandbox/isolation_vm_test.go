@@ -19,6 +19,7 @@ import (
 	"time"
 
 	"github.com/forkd/forkd/internal/agent"
+	"github.com/forkd/forkd/internal/cgroup"
 	"github.com/forkd/forkd/internal/netns"
 	"github.com/forkd/forkd/internal/proc"
 	"github.com/forkd/forkd/internal/sandbox"
@@ -233,6 +234,36 @@ func TestIsolation(t *testing.T) {
 			t.Fatal(err)
 		}
 		e.Kill(ctx, sibling.ID)
+	})
+	t.Run("IOLimits", func(t *testing.T) {
+		r, err := e.Fork(ctx, sandbox.ForkSpec{Tag: "web", N: 1, Limits: &state.Limits{IOReadBps: 10 << 20, IOWriteBps: 5 << 20}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		id := r.Children[0].ID
+		maj, min, err := cgroup.DeviceOf(e.Config().DataDir)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for file, want := range map[string]string{
+			"blkio.throttle.read_bps_device":  fmt.Sprintf("%d:%d %d", maj, min, 10<<20),
+			"blkio.throttle.write_bps_device": fmt.Sprintf("%d:%d %d", maj, min, 5<<20),
+		} {
+			paths, _ := filepath.Glob("/sys/fs/cgroup/blkio/*/*/forkd-" + hostNet(t, e).Prefix + "/" + id + "/" + file)
+			more, _ := filepath.Glob("/sys/fs/cgroup/blkio/forkd-" + hostNet(t, e).Prefix + "/" + id + "/" + file)
+			paths = append(paths, more...)
+			if len(paths) != 1 {
+				t.Fatalf("%s of %s: found %v", file, id, paths)
+			}
+			b, _ := os.ReadFile(paths[0])
+			if strings.TrimSpace(string(b)) != want {
+				t.Fatalf("%s = %q, want %q", file, b, want)
+			}
+		}
+		if out, code := run(t, e, id, "echo io"); code != 0 || strings.TrimSpace(out) != "io" {
+			t.Fatalf("child with IO limits: %q %d", out, code)
+		}
+		e.Kill(ctx, id)
 	})
 	t.Run("ForkBombStaysInItsShare", func(t *testing.T) {
 		r, err := e.Fork(ctx, sandbox.ForkSpec{Tag: "web", N: 1, Limits: &state.Limits{CPUs: 0.5, PIDs: 64}})

@@ -60,6 +60,12 @@ func ForkSpec(req *apiv1.CreateSandboxesRequest, maxN int) (sandbox.ForkSpec, er
 	if req.PIDsLimit < 0 || req.PIDsLimit > 1<<22 {
 		return spec, errdefs.InvalidArgument("pids_limit = %d: want 0 (no limit) or a positive number", req.PIDsLimit)
 	}
+	if req.IOWeight < 0 || req.IOWeight > 10000 {
+		return spec, errdefs.InvalidArgument("io_weight = %d: want 0 (default) or 1 to 10000", req.IOWeight)
+	}
+	if req.IOReadBps < 0 || req.IOWriteBps < 0 {
+		return spec, errdefs.InvalidArgument("io_read_bps and io_write_bps: want 0 (no limit) or a positive number of bytes per second")
+	}
 	pol, err := NetworkPolicy(req.Network)
 	if err != nil {
 		return spec, err
@@ -75,8 +81,9 @@ func ForkSpec(req *apiv1.CreateSandboxesRequest, maxN int) (sandbox.ForkSpec, er
 	if req.Network != nil {
 		spec.Net = &sandbox.NetSpec{Policy: pol, Publish: req.Network.Publish}
 	}
-	if req.MemoryLimitMiB != 0 || req.CPUs != 0 || req.PIDsLimit != 0 {
-		spec.Limits = &state.Limits{MemoryMiB: int64(req.MemoryLimitMiB), CPUs: req.CPUs, PIDs: int64(req.PIDsLimit)}
+	if req.MemoryLimitMiB != 0 || req.CPUs != 0 || req.PIDsLimit != 0 || req.IOWeight != 0 || req.IOReadBps != 0 || req.IOWriteBps != 0 {
+		spec.Limits = &state.Limits{MemoryMiB: int64(req.MemoryLimitMiB), CPUs: req.CPUs, PIDs: int64(req.PIDsLimit),
+			IOWeight: uint64(req.IOWeight), IOReadBps: uint64(req.IOReadBps), IOWriteBps: uint64(req.IOWriteBps)}
 	}
 	return spec, nil
 }
@@ -136,6 +143,7 @@ func View(sb *state.Sandbox) apiv1.Sandbox {
 	}
 	if l := sb.Limits; l != nil {
 		v.MemoryLimitMiB, v.CPUs, v.PIDsLimit = int(l.MemoryMiB), l.CPUs, int(l.PIDs)
+		v.IOWeight, v.IOReadBps, v.IOWriteBps = int(l.IOWeight), int64(l.IOReadBps), int64(l.IOWriteBps)
 	}
 	if n := sb.Net; n != nil && n.Address != "" {
 		sn := &apiv1.SandboxNetwork{Address: n.Address}

@@ -74,6 +74,11 @@ type Limits struct {
 	MemoryMiB int64   `json:"memory_mib,omitempty"`
 	CPUs      float64 `json:"cpus,omitempty"`
 	PIDs      int64   `json:"pids,omitempty"`
+	// IOWeight is the relative IO share (1–10000); IOReadBps and
+	// IOWriteBps cap bytes per second on the disk holding the data dir.
+	IOWeight   uint64 `json:"io_weight,omitempty"`
+	IOReadBps  uint64 `json:"io_read_bps,omitempty"`
+	IOWriteBps uint64 `json:"io_write_bps,omitempty"`
 }
 
 var bucketSandboxes = []byte("sandboxes")

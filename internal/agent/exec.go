@@ -61,20 +61,7 @@ func (c *Client) Exec(ctx context.Context, req ExecRequest) (*proto.ExecResult, 
 		}()
 	}
 	var res proto.ExecResult
-	err = c.wait(ctx, cl, func(f proto.Frame) error {
-		var w io.Writer
-		switch f.Stream() {
-		case proto.StreamStdout:
-			w = req.Stdout
-		case proto.StreamStderr:
-			w = req.Stderr
-		}
-		if w == nil {
-			return nil
-		}
-		_, err := w.Write(f.Payload)
-		return err
-	}, &res)
+	err = c.wait(ctx, cl, streams(req.Stdout, req.Stderr), &res)
 	if err != nil {
 		return nil, err
 	}
@@ -160,17 +147,7 @@ func (c *Client) ConnectProcess(ctx context.Context, pid int, stdout, stderr io.
 		return nil, err
 	}
 	var res proto.ExecResult
-	err = c.wait(ctx, cl, func(f proto.Frame) error {
-		w := stdout
-		if f.Stream() == proto.StreamStderr {
-			w = stderr
-		}
-		if w == nil {
-			return nil
-		}
-		_, err := w.Write(f.Payload)
-		return err
-	}, &res)
+	err = c.wait(ctx, cl, streams(stdout, stderr), &res)
 	if err != nil {
 		return nil, err
 	}
@@ -197,18 +174,32 @@ func (c *Client) EvalStream(ctx context.Context, req proto.EvalRequest, stdout, 
 		return nil, err
 	}
 	var res proto.EvalResult
+	write := streams(stdout, stderr)
 	err = c.wait(ctx, cl, func(f proto.Frame) error {
-		w := stdout
-		if f.Stream() == proto.StreamStderr {
-			w = stderr
-		}
-		if w != nil {
-			w.Write(f.Payload) // a failing writer must not lose the result
-		}
+		write(f) // a failing writer must not lose the result
 		return nil
 	}, &res)
 	if err != nil {
 		return nil, err
 	}
 	return &res, nil
+}
+
+// streams returns a frame handler writing the stdout and stderr data of a
+// call to the given writers (nil discards); it returns their write error.
+func streams(stdout, stderr io.Writer) func(proto.Frame) error {
+	return func(f proto.Frame) error {
+		var w io.Writer
+		switch f.Stream() {
+		case proto.StreamStdout:
+			w = stdout
+		case proto.StreamStderr:
+			w = stderr
+		}
+		if w == nil {
+			return nil
+		}
+		_, err := w.Write(f.Payload)
+		return err
+	}
 }

@@ -306,29 +306,7 @@ func (a *Agent) exec(ctx context.Context, r *request, args json.RawMessage) (any
 		go feedStdin(feedCtx, r, std.stdin)
 	}
 
-	var timeout <-chan time.Time
-	if req.Timeout > 0 {
-		t := time.NewTimer(req.Timeout)
-		defer t.Stop()
-		timeout = t.C
-	}
-	cancelled := ctx.Done()
-	timedOut := false
-	var st exitStatus
-wait:
-	for {
-		select {
-		case st = <-done:
-			break wait
-		case <-timeout:
-			timedOut = true
-			timeout = nil
-			killGroup(pid, syscall.SIGKILL)
-		case <-cancelled:
-			cancelled = nil
-			killGroup(pid, syscall.SIGKILL)
-		}
-	}
+	st, timedOut := awaitExit(done, pid, req.Timeout, ctx.Done())
 	close(exited)
 	std.stdout.SetReadDeadline(time.Now().Add(drainGrace))
 	std.stderr.SetReadDeadline(time.Now().Add(drainGrace))
@@ -366,6 +344,31 @@ func feedStdin(ctx context.Context, r *request, w *os.File) {
 		r.consumed(len(f.Payload))
 		if f.EOF() {
 			return
+		}
+	}
+}
+
+// awaitExit waits for a started process's status on done. Past timeout
+// (when positive), or once cancel is closed, it kills the process group
+// and goes on waiting; timedOut says the timeout fired.
+func awaitExit(done <-chan exitStatus, pid int, timeout time.Duration, cancel <-chan struct{}) (st exitStatus, timedOut bool) {
+	var expire <-chan time.Time
+	if timeout > 0 {
+		t := time.NewTimer(timeout)
+		defer t.Stop()
+		expire = t.C
+	}
+	for {
+		select {
+		case st = <-done:
+			return st, timedOut
+		case <-expire:
+			timedOut = true
+			expire = nil
+			killGroup(pid, syscall.SIGKILL)
+		case <-cancel:
+			cancel = nil
+			killGroup(pid, syscall.SIGKILL)
 		}
 	}
 }

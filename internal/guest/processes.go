@@ -157,25 +157,7 @@ func (a *Agent) startBackground(cmd *command, req *proto.ExecRequest) (any, erro
 		}()
 	}
 	go func() {
-		var timeout <-chan time.Time
-		if req.Timeout > 0 {
-			t := time.NewTimer(req.Timeout)
-			defer t.Stop()
-			timeout = t.C
-		}
-		timedOut := false
-		var st exitStatus
-	wait:
-		for {
-			select {
-			case st = <-done:
-				break wait
-			case <-timeout:
-				timedOut = true
-				timeout = nil
-				killGroup(pid, syscall.SIGKILL)
-			}
-		}
+		st, timedOut := awaitExit(done, pid, req.Timeout, nil)
 		close(exited)
 		std.stdout.SetReadDeadline(time.Now().Add(drainGrace))
 		std.stderr.SetReadDeadline(time.Now().Add(drainGrace))

@@ -38,8 +38,8 @@ func (e *Engine) stop(ctx context.Context, sb *state.Sandbox) error {
 	return e.release(ctx, sb)
 }
 
-// KillAll kills every sandbox, or those of one snapshot when tag is set.
-// It returns the ids killed.
+// KillAll kills every sandbox, or those of one snapshot when tag is set,
+// but not the parents of snapshots being built. It returns the ids killed.
 func (e *Engine) KillAll(ctx context.Context, tag string) ([]string, error) {
 	list, err := e.state.List()
 	if err != nil {
@@ -48,7 +48,8 @@ func (e *Engine) KillAll(ctx context.Context, tag string) ([]string, error) {
 	var killed []string
 	var errs []error
 	for _, sb := range list {
-		if tag != "" && sb.Snapshot != tag {
+		// A snapshot's parent being built belongs to that build.
+		if (tag != "" && sb.Snapshot != tag) || sb.Status == state.StatusBuilding {
 			continue
 		}
 		if err := e.Kill(ctx, sb.ID); err != nil && !errdefs.IsNotFound(err) {

@@ -71,6 +71,9 @@ func ociImage(t *testing.T, layers ...v1.Layer) v1.Image {
 func TestFromImage(t *testing.T) {
 	c := newCLI(t)
 	testutil.RequireRoot(t)
+	// A cache of its own, so that "nothing left behind" is about this test.
+	cache := t.TempDir()
+	c.env = append(c.env, "FORKD_CACHE="+cache)
 	bb, err := os.ReadFile("/bin/busybox")
 	if err != nil {
 		t.Fatal(err)
@@ -105,8 +108,8 @@ func TestFromImage(t *testing.T) {
 
 	entries := func() []string {
 		var out []string
-		for _, d := range []string{"snapshots", "cache/images"} {
-			ents, _ := os.ReadDir(filepath.Join(c.data, d))
+		for _, d := range []string{filepath.Join(c.data, "snapshots"), filepath.Join(cache, "images"), filepath.Join(cache, "rootfs")} {
+			ents, _ := os.ReadDir(d)
 			for _, e := range ents {
 				out = append(out, d+"/"+e.Name())
 			}

@@ -23,7 +23,7 @@ import (
 func testCacheDir(t *testing.T) string {
 	t.Helper()
 	if d := os.Getenv("FORKD_TEST_CACHE"); d != "" {
-		dir := filepath.Join(d, "image")
+		dir := filepath.Join(d, "image-tests") // apart from the VM tiers' cache, which they change meanwhile
 		if err := os.MkdirAll(dir, 0o755); err != nil {
 			t.Fatal(err)
 		}

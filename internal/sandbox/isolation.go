@@ -23,10 +23,15 @@ type NetSpec struct {
 	Publish []int
 }
 
-// validate checks the spec and fills in the default policy.
+// validate checks the spec and fills in the default policy. Under "allow",
+// the host's DNS resolvers (which the guest was configured with) stay
+// reachable on port 53 even when they sit in a range "allow" blocks.
 func (n *NetSpec) validate() error {
 	if n.Policy.Mode == "" {
 		n.Policy = netns.DefaultPolicy
+	}
+	if n.Policy.Mode == netns.ModeAllow {
+		n.Policy.Allow = append(append([]netns.Rule(nil), n.Policy.Allow...), dnsRules(hostResolvers())...)
 	}
 	p, err := n.Policy.Validate()
 	if err != nil {
@@ -221,6 +226,21 @@ func guestNetCmdline() []string {
 		args = append(args, "forkd.dns="+strings.Join(dns, ","))
 	}
 	return args
+}
+
+// dnsRules allow DNS (UDP and TCP port 53) to each resolver.
+func dnsRules(resolvers []string) []netns.Rule {
+	var out []netns.Rule
+	for _, r := range resolvers {
+		a, err := netip.ParseAddr(r)
+		if err != nil {
+			continue
+		}
+		for _, proto := range []string{"udp", "tcp"} {
+			out = append(out, netns.Rule{CIDR: netip.PrefixFrom(a, 32), Proto: proto, Ports: []netns.PortRange{{First: 53, Last: 53}}})
+		}
+	}
+	return out
 }
 
 // hostResolvers are the host's DNS servers a guest can use: those in

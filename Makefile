@@ -32,7 +32,7 @@ fmt-check:
 # runs; FORKD_TEST_STRICT=1 (set by CI) turns any skip into a failure.
 test: deps build vet fmt-check
 	FORKD_AGENT=$(CURDIR)/bin/forkd-agent FORKD_TEST_CACHE=$(FORKD_TEST_CACHE) $(GO) test -count=1 -timeout $(FORKD_TEST_TIMEOUT) $(PKGS)
-	$(GO) test -run=^$$ -fuzz=FuzzDecodeCreateSandbox -fuzztime=20s ./internal/server
+	$(GO) test -run=^$$ -fuzz=FuzzDecodeCreateSandbox -fuzztime=20s -fuzzminimizetime=2s ./internal/server
 
 clean:
 	rm -rf bin

@@ -13,6 +13,7 @@ import (
 	"github.com/forkd/forkd/internal/agent/proto"
 	"github.com/forkd/forkd/internal/errdefs"
 	"github.com/forkd/forkd/internal/guest"
+	"github.com/forkd/forkd/internal/testutil"
 )
 
 // A 20 MiB file goes to the guest and comes back byte-identical, streamed
@@ -179,8 +180,8 @@ func TestFileOperations(t *testing.T) {
 
 // Permission errors come back classed when the agent runs unprivileged.
 func TestFilePermissionDenied(t *testing.T) {
-	if os.Geteuid() == 0 {
-		t.Skip("root bypasses file permissions; runs as non-root")
+	if testutil.AsNobody(t) {
+		return
 	}
 	c := startGuest(t, guest.Config{}).dial()
 	dir := t.TempDir()

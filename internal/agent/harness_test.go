@@ -15,6 +15,7 @@ import (
 
 	"github.com/forkd/forkd/internal/agent"
 	"github.com/forkd/forkd/internal/guest"
+	"github.com/forkd/forkd/internal/testutil"
 )
 
 // chardev models QEMU's socket chardev behind a virtconsole: the guest's
@@ -219,7 +220,7 @@ func python(t *testing.T) string {
 	if p, err := exec.LookPath("python3"); err == nil {
 		return p
 	}
-	t.Skip("eval tests need python3 on the host")
+	testutil.Unavailable(t, "eval tests need python3 on the host (scripts/deps.txt)")
 	return ""
 }
 

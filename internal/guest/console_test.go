@@ -14,6 +14,7 @@ import (
 	"github.com/forkd/forkd/internal/agent"
 	"github.com/forkd/forkd/internal/agent/proto"
 	"github.com/forkd/forkd/internal/guest"
+	"github.com/forkd/forkd/internal/testutil"
 	"golang.org/x/sys/unix"
 )
 
@@ -22,7 +23,7 @@ import (
 func TestServeOnPTY(t *testing.T) {
 	mfd, err := unix.Open("/dev/ptmx", unix.O_RDWR|unix.O_NOCTTY|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
 	if err != nil {
-		t.Skipf("no pty: %v", err)
+		testutil.Unavailable(t, "no pty: "+err.Error())
 	}
 	if err := unix.IoctlSetPointerInt(mfd, unix.TIOCSPTLCK, 0); err != nil {
 		t.Fatal(err)

@@ -8,6 +8,8 @@ import (
 	"reflect"
 	"strings"
 	"testing"
+
+	"github.com/forkd/forkd/internal/testutil"
 )
 
 func TestParse(t *testing.T) {
@@ -35,7 +37,7 @@ func TestParse(t *testing.T) {
 
 func TestParseSelf(t *testing.T) {
 	if _, err := os.Stat("/proc/self/mountinfo"); err != nil {
-		t.Skip("no procfs:", err)
+		testutil.Unavailable(t, "no procfs: "+err.Error())
 	}
 	ms, err := ParseFile("/proc/self/mountinfo")
 	if err != nil {

@@ -30,7 +30,7 @@ func TestProcessesUnder(t *testing.T) {
 	cmd := exec.Command("sleep", "60")
 	cmd.Dir = work
 	if err := cmd.Start(); err != nil {
-		t.Skip("no sleep:", err)
+		Unavailable(t, "no sleep: "+err.Error())
 	}
 	pid := strconv.Itoa(cmd.Process.Pid)
 	found := func() bool {

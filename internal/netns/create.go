@@ -160,7 +160,7 @@ func (m *Manager) Create(ctx context.Context, slot int, p Policy) (_ *Net, err e
 	if err := step(stepNSTable); err != nil {
 		return nil, err
 	}
-	nc, err := nftables.New(nftables.WithNetNSFd(int(ns)))
+	nc, err := newNft(nftables.WithNetNSFd(int(ns)))
 	if err != nil {
 		return nil, wrap(stepNSTable, err)
 	}
@@ -307,7 +307,7 @@ func (m *Manager) ensureHost() error {
 	if err := m.ensureForwarding(); err != nil {
 		return err
 	}
-	c, err := nftables.New()
+	c, err := newNft()
 	if err != nil {
 		return err
 	}

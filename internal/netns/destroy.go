@@ -93,7 +93,7 @@ func (m *Manager) dropHostIfUnused() error {
 	if err != nil || len(links) > 0 {
 		return err
 	}
-	c, err := nftables.New()
+	c, err := newNft()
 	if err != nil {
 		return err
 	}

@@ -66,7 +66,7 @@ func (m *Manager) Publish(ctx context.Context, slot, guestPort int, proto string
 		if used[hp] || !portFree(proto, hp) {
 			continue
 		}
-		c, err := nftables.New()
+		c, err := newNft()
 		if err != nil {
 			return 0, err
 		}
@@ -140,7 +140,7 @@ func (m *Manager) unpublishWhere(match func(pub) bool) error {
 	if err != nil || len(pubs) == 0 {
 		return err
 	}
-	c, err := nftables.New()
+	c, err := newNft()
 	if err != nil {
 		return err
 	}
@@ -178,7 +178,7 @@ func (m *Manager) published() ([]pub, error) {
 // publishedLocked is published with hostMu held. A missing host table
 // means nothing is published.
 func (m *Manager) publishedLocked() ([]pub, error) {
-	c, err := nftables.New()
+	c, err := newNft()
 	if err != nil {
 		return nil, err
 	}
@@ -248,7 +248,7 @@ func (m *Manager) SetPolicy(ctx context.Context, slot int, p Policy) error {
 		return err
 	}
 	defer ns.Close()
-	c, err := nftables.New(nftables.WithNetNSFd(int(ns)))
+	c, err := newNft(nftables.WithNetNSFd(int(ns)))
 	if err != nil {
 		return err
 	}

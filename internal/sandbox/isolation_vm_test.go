@@ -350,7 +350,7 @@ func TestCreateDestroyCyclesLeaveNothing(t *testing.T) {
 	fails, oks := 0, 0
 	var wg sync.WaitGroup
 	sem := make(chan struct{}, 2)
-	for i := 0; i < cycles; i++ {
+	for i := 0; i < cycles && !t.Failed(); i++ {
 		inject := ""
 		if i%5 != 0 {
 			inject = steps[i%len(steps)]
@@ -362,7 +362,7 @@ func TestCreateDestroyCyclesLeaveNothing(t *testing.T) {
 			failAt.Store("")
 			mu.Unlock()
 			if err == nil || !strings.Contains(err.Error(), "injected failure at "+inject) {
-				t.Fatalf("cycle %d: fork with a failure at %s = %v", i, inject, err)
+				t.Errorf("cycle %d: fork with a failure at %s = %v", i, inject, err)
 			}
 			fails++
 			continue

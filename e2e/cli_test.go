@@ -10,6 +10,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 
 	"github.com/forkd/forkd/internal/testutil"
@@ -266,5 +267,63 @@ func TestDoctor(t *testing.T) {
 	text, _, _ := c.run("doctor")
 	if !strings.Contains(text, "backend qemu/"+rep.Accelerator) {
 		t.Errorf("text report lacks the backend line:\n%s", text)
+	}
+}
+
+// TestCleanup: after a VMM is killed behind forkd's back and a stray run
+// dir appears, `forkd cleanup` marks the sandbox dead, releases what it
+// held, removes the stray dir and keeps the live sibling.
+func TestCleanup(t *testing.T) {
+	c := newCLI(t)
+	c.ok("snapshot", "--tag", "base", "--image", "minimal")
+	var fork struct {
+		Children []struct{ ID string } `json:"children"`
+	}
+	json.Unmarshal([]byte(c.ok("fork", "--tag", "base", "-n", "2", "--json")), &fork)
+	var ls struct {
+		Sandboxes []struct {
+			ID     string `json:"id"`
+			PID    int    `json:"pid"`
+			Status string `json:"status"`
+		} `json:"sandboxes"`
+	}
+	json.Unmarshal([]byte(c.ok("ls", "--json")), &ls)
+	victim := ls.Sandboxes[0]
+	if err := syscall.Kill(victim.PID, syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	stray := filepath.Join(c.data, "run", "sb-strayzzzzz")
+	os.MkdirAll(stray, 0o700)
+	var rep struct {
+		Adopted    []string `json:"adopted"`
+		Dead       []string `json:"dead"`
+		OrphanDirs []string `json:"orphan_dirs"`
+	}
+	if err := json.Unmarshal([]byte(c.ok("cleanup", "--json")), &rep); err != nil {
+		t.Fatal(err)
+	}
+	if len(rep.Dead) != 1 || rep.Dead[0] != victim.ID || len(rep.Adopted) != 1 || len(rep.OrphanDirs) != 1 {
+		t.Fatalf("cleanup report %+v", rep)
+	}
+	if _, err := os.Stat(stray); !os.IsNotExist(err) {
+		t.Fatalf("stray run dir left: %v", err)
+	}
+	if _, err := os.Stat(filepath.Join(c.data, "run", victim.ID)); !os.IsNotExist(err) {
+		t.Fatalf("dead sandbox's run dir left: %v", err)
+	}
+	json.Unmarshal([]byte(c.ok("ls", "--json")), &ls)
+	status := map[string]string{}
+	for _, sb := range ls.Sandboxes {
+		status[sb.ID] = sb.Status
+	}
+	if status[victim.ID] != "dead" || status[ls.Sandboxes[1].ID] != "running" && status[ls.Sandboxes[0].ID] != "running" {
+		t.Fatalf("after cleanup: %v", status)
+	}
+	for id, st := range status {
+		if st == "running" {
+			if out := c.ok("exec", id, "--", "echo", "ok"); out != "ok\n" {
+				t.Fatalf("live sibling after cleanup: %q", out)
+			}
+		}
 	}
 }

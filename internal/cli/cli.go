@@ -100,6 +100,7 @@ func newRoot(g *globals) *cobra.Command {
 		newDoctorCmd(g),
 		newNetCmd(g),
 		newPublishCmd(g),
+		newCleanupCmd(g),
 	)
 	return root
 }

@@ -172,6 +172,39 @@ func TestServerVM(t *testing.T) {
 		assertNoLeak(t, d)
 	})
 
+	t.Run("network", func(t *testing.T) {
+		testutil.RequireRoot(t) // per-child networks; without root the snapshot has no NIC
+		res, err := c.CreateSandboxes(ctx, apiv1.CreateSandboxesRequest{SnapshotTag: "base", N: 1, CPUs: 1, PIDsLimit: 128,
+			Network: &apiv1.NetworkSpec{Egress: "allowlist", Allow: []apiv1.NetworkRule{{CIDR: "198.51.100.0/24", Proto: "tcp", Ports: []string{"80"}}}, Publish: []int{8080}}})
+		if err != nil || len(res.Sandboxes) != 1 {
+			t.Fatalf("create: %+v %v", res, err)
+		}
+		sb := res.Sandboxes[0]
+		n := sb.Network
+		if n == nil || n.Address == "" || n.Egress != "allowlist" || len(n.Allow) != 1 || len(n.Ports) != 1 || n.Ports[0].GuestPort != 8080 ||
+			sb.CPUs != 1 || sb.PIDsLimit != 128 {
+			t.Fatalf("sandbox %+v network %+v", sb, n)
+		}
+		got, err := c.SetNetwork(ctx, sb.ID, apiv1.NetworkSpec{Egress: "deny"})
+		if err != nil || got.Network.Egress != "deny" || len(got.Network.Allow) != 0 {
+			t.Fatalf("set network: %+v %v", got, err)
+		}
+		if _, err := c.SetNetwork(ctx, sb.ID, apiv1.NetworkSpec{Egress: "sometimes"}); !errdefs.IsInvalidArgument(err) {
+			t.Fatalf("bad egress: %v", err)
+		}
+		p, err := c.Publish(ctx, sb.ID, 80)
+		if err != nil || p.GuestPort != 80 || p.HostPort == 0 || p.HostPort == n.Ports[0].HostPort {
+			t.Fatalf("publish: %+v %v", p, err)
+		}
+		if again, err := c.Publish(ctx, sb.ID, 80); err != nil || again.HostPort != p.HostPort {
+			t.Fatalf("publish again: %+v %v", again, err)
+		}
+		if err := c.DeleteSandbox(ctx, sb.ID); err != nil {
+			t.Fatal(err)
+		}
+		assertNoLeak(t, d)
+	})
+
 	t.Run("timeout", func(t *testing.T) {
 		res, err := c.CreateSandboxes(ctx, apiv1.CreateSandboxesRequest{SnapshotTag: "base", N: 2, TimeoutSecs: 2})
 		if err != nil || len(res.Sandboxes) != 2 {

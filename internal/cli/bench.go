@@ -86,6 +86,10 @@ func printBench(g *globals, r *bench.Result) {
 	row("snapshot (boot+save)", ms(r.SnapshotMS), "", "")
 	row(fmt.Sprintf("fork, %d children (wall)", r.N), ms(r.ForkNWallMS), "", "")
 	row("fork, per-child ready", ms(r.ForkReady.P50), ms(r.ForkReady.P90), "")
+	if r.ForkPooledReady.N > 0 {
+		row(fmt.Sprintf("fork, %d from parked VMMs (wall)", r.N), ms(r.ForkPooledNWallMS), "", "")
+		row("  per-child ready", ms(r.ForkPooledReady.P50), ms(r.ForkPooledReady.P90), "")
+	}
 	if r.ForkIsolatedReady.N > 0 {
 		row(fmt.Sprintf("fork, %d with netns+cgroup (wall)", r.N), ms(r.ForkIsolatedNWallMS), "", "")
 		row("  per-child ready", ms(r.ForkIsolatedReady.P50), ms(r.ForkIsolatedReady.P90), fmt.Sprintf("%+.1f ms vs plain", r.IsolationAddedMSPerChild))

@@ -8,6 +8,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"runtime"
 	"time"
 
 	"github.com/spf13/cobra"
@@ -26,6 +27,7 @@ type serveOptions struct {
 	noAuth, allowPlaintext      bool
 	maxSandboxes, maxPerRequest int
 	maxParallel, maxPending     int
+	pool                        int
 	maxBody                     int64
 	auditLog                    string
 	grace                       time.Duration
@@ -60,6 +62,7 @@ missing). A non-loopback --listen needs TLS (--tls-cert/--tls-key) unless
 	f.IntVar(&o.maxPerRequest, "max-per-request", 100, "sandboxes one request may create")
 	f.IntVar(&o.maxParallel, "max-parallel-restores", 0, "restores running at once (default 2 × CPUs)")
 	f.IntVar(&o.maxPending, "max-pending-restores", 1024, "children admitted but not yet ready, all requests together")
+	f.IntVar(&o.pool, "pool", 2*runtime.NumCPU(), "VMMs kept parked (~16 MiB each) for each of the 4 snapshots forked most recently (0 = none)")
 	f.Int64Var(&o.maxBody, "max-body-bytes", 1<<20, "largest JSON request body")
 	f.StringVar(&o.auditLog, "audit-log", "", `audit log, one JSON line per request (default <data-dir>/audit.log; "-" for stderr)`)
 	f.DurationVar(&o.grace, "shutdown-grace", 10*time.Second, "time requests in flight get to finish at shutdown")
@@ -124,6 +127,7 @@ func serve(ctx context.Context, g *globals, o serveOptions) error {
 		c.Daemon = true
 		c.MaxChildren = o.maxPerRequest
 		c.MaxParallel = o.maxParallel
+		c.Pool = o.pool
 		c.Progress = io.Discard
 	})
 	if err != nil {

@@ -11,6 +11,7 @@ package sandbox
 import (
 	"crypto/rand"
 	"encoding/base32"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -48,6 +49,10 @@ type Config struct {
 	// resource limits.
 	Net     *netns.Manager
 	Cgroups *cgroup.Manager
+	// Pool, if positive, keeps that many VMMs parked for each of the
+	// snapshots forked most recently, for as long as the engine lives
+	// (forkd serve). Children with limits do not use them.
+	Pool int
 	// Fault, if set, is called at each step of a child's creation
 	// ("recorded", "isolated", "restored", "published"); an error it
 	// returns fails the child there. For tests of rollback.
@@ -74,6 +79,7 @@ type Engine struct {
 	runDir string
 
 	restores chan struct{} // one token per restore in progress
+	pool     *pool         // nil without Config.Pool
 
 	mu    sync.Mutex               // guards conns, dials
 	conns map[string]*agent.Client // daemon mode: one agent session per sandbox
@@ -133,18 +139,21 @@ func New(cfg Config) (*Engine, error) {
 			Logger:    cfg.Logger,
 		},
 	}
+	e.pool = newPool(e, cfg.Pool)
 	return e, nil
 }
 
-// Close releases the engine's resources. Sandboxes keep running.
+// Close releases the engine's resources and discards its parked VMMs.
+// Sandboxes keep running.
 func (e *Engine) Close() error {
+	perr := e.pool.close()
 	e.mu.Lock()
 	for id, c := range e.conns {
 		c.Close()
 		delete(e.conns, id)
 	}
 	e.mu.Unlock()
-	return e.state.Close()
+	return errors.Join(perr, e.state.Close())
 }
 
 // Snapshots is the engine's snapshot store.

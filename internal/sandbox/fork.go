@@ -131,6 +131,7 @@ func (e *Engine) Fork(ctx context.Context, spec ForkSpec) (*ForkResult, error) {
 	}
 	wg.Wait()
 	res.WallMS = msSince(start)
+	e.pool.refill(snap)
 	var errs []error
 	for _, c := range res.Children {
 		if c.Err != nil {
@@ -158,7 +159,8 @@ func (e *Engine) Fork(ctx context.Context, spec ForkSpec) (*ForkResult, error) {
 	return res, err
 }
 
-// forkOne restores one child and waits for its agent.
+// forkOne restores one child and waits for its agent. A child without
+// limits takes a parked VMM from the pool when one waits there.
 func (e *Engine) forkOne(ctx context.Context, snap *snapshot.Snapshot, spec ForkSpec, id string) (c Child) {
 	start := time.Now()
 	c.ID = id
@@ -175,16 +177,6 @@ func (e *Engine) forkOne(ctx context.Context, snap *snapshot.Snapshot, spec Fork
 		l := *spec.Limits
 		sb.Limits = &l
 	}
-	var err error
-	if snap.Network {
-		err = e.state.PutWithSlot(sb, e.cfg.Net.MaxSlots())
-	} else {
-		err = e.state.Put(sb)
-	}
-	if err != nil {
-		c.Err = err
-		return c
-	}
 	var m vmm.Machine
 	fail := func(err error) Child {
 		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
@@ -199,37 +191,14 @@ func (e *Engine) forkOne(ctx context.Context, snap *snapshot.Snapshot, spec Fork
 		c.Err = fmt.Errorf("child %s: %w", id, err)
 		return c
 	}
-	if err := e.fault("recorded"); err != nil {
-		return fail(err)
-	}
-	launch, nics, err := e.isolate(ctx, sb, spec.Net)
-	if err == nil {
-		err = e.fault("isolated")
-	}
-	if err != nil {
-		return fail(err)
-	}
-	_, ref, err := e.snaps.Acquire(snap.Tag)
-	if err != nil {
-		return fail(err)
-	}
-	rspec := vmm.RestoreSpec{
-		Launch:     launch,
-		Name:       id,
-		RunDir:     sb.Handle.RunDir,
-		Config:     snap.Machine,
-		MemoryFile: snap.MemoryPath(),
-		StateFile:  snap.StatePath(),
-		NICs:       nics,
-		Hold:       []*os.File{ref.File},
-	}
-	if snap.Rootfs.Path != "" {
-		rspec.Disks = []vmm.Disk{{Path: snap.Rootfs.Path, ReadOnly: true}}
-	}
 	rctx, cancel := context.WithTimeout(ctx, spec.ReadyTimeout)
 	defer cancel()
-	m, err = e.cfg.Backend.Restore(rctx, rspec)
-	ref.Close()
+	var err error
+	if pk := e.pool.take(snap.Tag, spec); pk != nil {
+		m, err = e.restoreParked(rctx, snap, spec, sb, pk)
+	} else {
+		m, err = e.restoreFresh(rctx, snap, spec, sb)
+	}
 	if err == nil {
 		err = e.fault("restored")
 	}
@@ -268,6 +237,49 @@ func (e *Engine) forkOne(ctx context.Context, snap *snapshot.Snapshot, spec Fork
 	e.keepClient(id, client)
 	c.Sandbox = sb
 	return c
+}
+
+// restoreFresh records sb, gives it its network and cgroup, and starts a
+// VMM restored from snap. What it made is released by the caller on error.
+func (e *Engine) restoreFresh(ctx context.Context, snap *snapshot.Snapshot, spec ForkSpec, sb *state.Sandbox) (vmm.Machine, error) {
+	var err error
+	if snap.Network {
+		err = e.state.PutWithSlot(sb, e.cfg.Net.MaxSlots())
+	} else {
+		err = e.state.Put(sb)
+	}
+	if err != nil {
+		return nil, err
+	}
+	if err := e.fault("recorded"); err != nil {
+		return nil, err
+	}
+	launch, nics, err := e.isolate(ctx, sb, spec.Net)
+	if err == nil {
+		err = e.fault("isolated")
+	}
+	if err != nil {
+		return nil, err
+	}
+	_, ref, err := e.snaps.Acquire(snap.Tag)
+	if err != nil {
+		return nil, err
+	}
+	defer ref.Close()
+	rspec := vmm.RestoreSpec{
+		Launch:     launch,
+		Name:       sb.ID,
+		RunDir:     sb.Handle.RunDir,
+		Config:     snap.Machine,
+		MemoryFile: snap.MemoryPath(),
+		StateFile:  snap.StatePath(),
+		NICs:       nics,
+		Hold:       []*os.File{ref.File},
+	}
+	if snap.Rootfs.Path != "" {
+		rspec.Disks = []vmm.Disk{{Path: snap.Rootfs.Path, ReadOnly: true}}
+	}
+	return e.cfg.Backend.Restore(ctx, rspec)
 }
 
 func msSince(t time.Time) float64 {

@@ -7,6 +7,7 @@ import (
 
 	"github.com/forkd/forkd/internal/errdefs"
 	"github.com/forkd/forkd/internal/proc"
+	"github.com/forkd/forkd/internal/snapshot"
 	"github.com/forkd/forkd/internal/state"
 )
 
@@ -48,8 +49,9 @@ func (e *Engine) KillAll(ctx context.Context, tag string) ([]string, error) {
 	var killed []string
 	var errs []error
 	for _, sb := range list {
-		// A snapshot's parent being built belongs to that build.
-		if (tag != "" && sb.Snapshot != tag) || sb.Status == state.StatusBuilding {
+		// A snapshot's parent being built belongs to that build; parked
+		// VMMs to the pool.
+		if (tag != "" && sb.Snapshot != tag) || sb.Status == state.StatusBuilding || sb.Status == state.StatusParked {
 			continue
 		}
 		if err := e.Kill(ctx, sb.ID); err != nil && !errdefs.IsNotFound(err) {
@@ -61,15 +63,21 @@ func (e *Engine) KillAll(ctx context.Context, tag string) ([]string, error) {
 	return killed, errors.Join(errs...)
 }
 
-// List returns every sandbox, with the status of each checked against the
-// host: a running record whose VMM is gone is marked dead (and persisted).
+// List returns every sandbox (parked VMMs are not sandboxes yet), with
+// the status of each checked against the host: a running record whose VMM
+// is gone is marked dead (and persisted).
 func (e *Engine) List(ctx context.Context) ([]*state.Sandbox, error) {
-	list, err := e.state.List()
+	all, err := e.state.List()
 	if err != nil {
 		return nil, err
 	}
-	for _, sb := range list {
+	list := all[:0]
+	for _, sb := range all {
+		if sb.Status == state.StatusParked {
+			continue
+		}
 		e.refresh(sb)
+		list = append(list, sb)
 	}
 	return list, nil
 }
@@ -131,8 +139,15 @@ func (e *Engine) Users(tag string) ([]string, error) {
 	return ids, nil
 }
 
-// RemoveSnapshot deletes snapshot tag; refused while any VMM uses it.
+// RemoveSnapshot deletes snapshot tag; refused while any sandbox uses it.
+// Its parked VMMs are discarded first.
 func (e *Engine) RemoveSnapshot(tag string) error {
+	if err := snapshot.ValidateTag(tag); err != nil {
+		return err
+	}
+	if err := e.pool.drop(tag); err != nil {
+		e.log.Warn("discard parked VMMs", "snapshot", tag, "err", err)
+	}
 	err := e.snaps.Remove(tag)
 	if errdefs.IsFailedPrecondition(err) {
 		if ids, lerr := e.Users(tag); lerr == nil && len(ids) > 0 {

@@ -71,6 +71,15 @@ func (e *Engine) Reconcile(ctx context.Context) (*ReconcileReport, error) {
 			if sb.Status == state.StatusRunning {
 				rep.Adopted = append(rep.Adopted, sb.ID)
 			}
+		case sb.Status == state.StatusParked:
+			// Parked VMMs belong to the process that parked them.
+			if err := e.stop(ctx, sb); err != nil {
+				errs = append(errs, fmt.Errorf("discard parked %s: %w", sb.ID, err))
+				continue
+			}
+			if err := e.state.Delete(sb.ID); err != nil {
+				errs = append(errs, err)
+			}
 		case sb.Status == state.StatusBuilding:
 			// A parent whose build died: nothing of it is kept.
 			if err := e.stop(ctx, sb); err != nil {

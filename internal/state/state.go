@@ -27,9 +27,11 @@ const (
 	StatusStarting = "starting"
 	// StatusBuilding is a snapshot's parent VM holding a network slot.
 	StatusBuilding = "building"
-	StatusRunning  = "running"
-	StatusDead     = "dead"
-	StatusOOM      = "oom"
+	// StatusParked is a VMM started ahead of a fork, waiting in a pool.
+	StatusParked  = "parked"
+	StatusRunning = "running"
+	StatusDead    = "dead"
+	StatusOOM     = "oom"
 )
 
 // Sandbox is the persisted record of one sandbox.
@@ -283,6 +285,27 @@ func (s *Store) PutWithSlot(sb *Sandbox, max int) error {
 		sb.Net.Slot = slot
 		b, err := json.Marshal(sb)
 		if err != nil {
+			return err
+		}
+		return bk.Put([]byte(sb.ID), b)
+	})
+}
+
+// Rename stores sb under its (new) ID in place of the record oldID, in one
+// transaction.
+func (s *Store) Rename(oldID string, sb *Sandbox) error {
+	b, err := json.Marshal(sb)
+	if err != nil {
+		return err
+	}
+	return s.with(true, func(bk *bolt.Bucket) error {
+		if bk.Get([]byte(oldID)) == nil {
+			return errdefs.NotFound("sandbox %q not found", oldID)
+		}
+		if oldID != sb.ID && bk.Get([]byte(sb.ID)) != nil {
+			return errdefs.AlreadyExists("sandbox %q exists", sb.ID)
+		}
+		if err := bk.Delete([]byte(oldID)); err != nil {
 			return err
 		}
 		return bk.Put([]byte(sb.ID), b)

@@ -101,3 +101,24 @@ func TestPutWithSlot(t *testing.T) {
 		t.Fatalf("stored record %+v", got.Net)
 	}
 }
+
+func TestRename(t *testing.T) {
+	s, _ := Open(filepath.Join(t.TempDir(), "state.db"), Options{})
+	s.Put(&Sandbox{ID: "old", Status: StatusParked})
+	s.Put(&Sandbox{ID: "taken"})
+	if err := s.Rename("old", &Sandbox{ID: "taken"}); !errdefs.IsAlreadyExists(err) {
+		t.Fatalf("rename onto an existing id = %v", err)
+	}
+	if err := s.Rename("missing", &Sandbox{ID: "x"}); !errdefs.IsNotFound(err) {
+		t.Fatalf("rename of a missing id = %v", err)
+	}
+	if err := s.Rename("old", &Sandbox{ID: "new", Status: StatusStarting}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Get("old"); !errdefs.IsNotFound(err) {
+		t.Fatalf("old id still there: %v", err)
+	}
+	if sb, err := s.Get("new"); err != nil || sb.Status != StatusStarting {
+		t.Fatalf("new = %+v, %v", sb, err)
+	}
+}

@@ -96,6 +96,8 @@ type Parker interface {
 
 // Parked is a VMM process waiting for a snapshot.
 type Parked interface {
+	// Handle identifies the parked process (as Machine.Handle does).
+	Handle() Handle
 	// Restore loads the snapshot into the parked process and resumes it.
 	// A Parked is used at most once.
 	Restore(ctx context.Context, spec RestoreSpec) (Machine, error)

@@ -318,6 +318,9 @@ func (p *parked) Restore(ctx context.Context, spec vmm.RestoreSpec) (vmm.Machine
 	return m, nil
 }
 
+// Handle implements vmm.Parked.
+func (p *parked) Handle() vmm.Handle { return p.m.Handle() }
+
 // Discard implements vmm.Parked.
 func (p *parked) Discard(ctx context.Context) error {
 	p.mu.Lock()

@@ -1,0 +1,342 @@
+package sandbox
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sync"
+	"time"
+
+	"github.com/forkd/forkd/internal/snapshot"
+	"github.com/forkd/forkd/internal/state"
+	"github.com/forkd/forkd/internal/vmm"
+)
+
+// pool keeps VMM processes parked (waiting for a snapshot's device state)
+// for the snapshots forked most recently, so that a fork skips starting
+// its VMM. A parked VMM already maps the snapshot's memory and, for a
+// snapshot with a NIC, sits in its own network namespace with the default
+// egress policy; children with resource limits never use the pool (their
+// cgroup must be in place when the VMM starts).
+//
+// Parked VMMs are recorded (status parked) so that their run dirs and
+// network slots are owned; they belong to this process: a daemon that
+// stops discards them, and reconcile removes those a crash left.
+type pool struct {
+	e    *Engine
+	size int // parked VMMs kept per snapshot
+
+	mu      sync.Mutex // guards the fields below
+	entries map[string][]*parkedVMM
+	filling map[string]chan struct{} // closed when tag's filler ends
+	recent  []string                 // tags, most recently forked last; at most maxPoolTags
+	hits    int
+}
+
+// maxPoolTags bounds how many snapshots have parked VMMs at once.
+const maxPoolTags = 4
+
+// parkedVMM is one pool entry.
+type parkedVMM struct {
+	p  vmm.Parked
+	sb *state.Sandbox
+}
+
+func newPool(e *Engine, size int) *pool {
+	if size <= 0 {
+		return nil
+	}
+	if _, ok := e.cfg.Backend.(vmm.Parker); !ok {
+		return nil
+	}
+	return &pool{e: e, size: size, entries: map[string][]*parkedVMM{}, filling: map[string]chan struct{}{}}
+}
+
+// take returns a parked VMM for a child of tag, or nil (always for a
+// child with limits, and for a nil pool).
+func (p *pool) take(tag string, spec ForkSpec) *parkedVMM {
+	if p == nil || spec.Limits != nil {
+		return nil
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	es := p.entries[tag]
+	if len(es) == 0 {
+		return nil
+	}
+	pk := es[len(es)-1]
+	p.entries[tag] = es[:len(es)-1]
+	p.hits++
+	return pk
+}
+
+// restoreParked turns pk into the child sb: its record takes the child's
+// id, its network takes the child's policy, and the VMM loads snap.
+func (e *Engine) restoreParked(ctx context.Context, snap *snapshot.Snapshot, spec ForkSpec, sb *state.Sandbox, pk *parkedVMM) (vmm.Machine, error) {
+	sb.Handle, sb.Net = pk.sb.Handle, pk.sb.Net
+	if err := e.state.Rename(pk.sb.ID, sb); err != nil {
+		// The parked record stays; the VMM goes.
+		dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+		defer cancel()
+		pk.p.Discard(dctx)
+		e.release(dctx, pk.sb)
+		e.state.Delete(pk.sb.ID)
+		sb.Net = nil
+		return nil, err
+	}
+	if sb.Net != nil {
+		if err := e.cfg.Net.SetPolicy(ctx, sb.Net.Slot, spec.Net.Policy); err != nil {
+			pk.p.Discard(context.WithoutCancel(ctx))
+			return nil, err
+		}
+		pol, _ := json.Marshal(spec.Net.Policy)
+		sb.Net.Policy = pol
+	}
+	m, err := pk.p.Restore(ctx, vmm.RestoreSpec{StateFile: snap.StatePath()})
+	if err != nil {
+		pk.p.Discard(context.WithoutCancel(ctx))
+		return nil, err
+	}
+	return m, nil
+}
+
+// refill tops tag's parked VMMs up to the pool size, in the background.
+// It makes tag the most recent and drops the pools of older tags beyond
+// maxPoolTags.
+func (p *pool) refill(snap *snapshot.Snapshot) {
+	if p == nil {
+		return
+	}
+	p.mu.Lock()
+	var evict []string
+	recent := []string{}
+	for _, t := range p.recent {
+		if t != snap.Tag {
+			recent = append(recent, t)
+		}
+	}
+	recent = append(recent, snap.Tag)
+	for len(recent) > maxPoolTags {
+		evict = append(evict, recent[0])
+		recent = recent[1:]
+	}
+	p.recent = recent
+	if p.filling[snap.Tag] != nil {
+		p.mu.Unlock()
+		p.dropTags(evict)
+		return
+	}
+	done := make(chan struct{})
+	p.filling[snap.Tag] = done
+	p.mu.Unlock()
+	p.dropTags(evict)
+	go func() {
+		defer func() {
+			p.mu.Lock()
+			delete(p.filling, snap.Tag)
+			p.mu.Unlock()
+			close(done)
+		}()
+		for {
+			p.mu.Lock()
+			n, wanted := len(p.entries[snap.Tag]), p.wantedLocked(snap.Tag)
+			p.mu.Unlock()
+			if !wanted || n >= p.size {
+				return
+			}
+			pk, err := p.park(snap)
+			if err != nil {
+				p.e.log.Warn("park VMM", "snapshot", snap.Tag, "err", err)
+				return
+			}
+			p.mu.Lock()
+			if p.wantedLocked(snap.Tag) {
+				p.entries[snap.Tag] = append(p.entries[snap.Tag], pk)
+				pk = nil
+			}
+			p.mu.Unlock()
+			if pk != nil { // the tag was dropped meanwhile
+				p.discard(pk)
+				return
+			}
+		}
+	}()
+}
+
+func (p *pool) wantedLocked(tag string) bool {
+	for _, t := range p.recent {
+		if t == tag {
+			return true
+		}
+	}
+	return false
+}
+
+// park starts one VMM for snap, recorded and isolated like a child
+// (without limits), within the engine's bound on concurrent restores.
+func (p *pool) park(snap *snapshot.Snapshot) (_ *parkedVMM, err error) {
+	e := p.e
+	e.restores <- struct{}{}
+	defer func() { <-e.restores }()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	id := newID()
+	sb := &state.Sandbox{ID: id, Snapshot: snap.Tag, Status: state.StatusParked, Created: time.Now().UTC(),
+		Handle: vmm.Handle{Backend: e.cfg.Backend.Name(), RunDir: filepath.Join(e.runDir, id)}}
+	if snap.Network {
+		err = e.state.PutWithSlot(sb, e.cfg.Net.MaxSlots())
+	} else {
+		err = e.state.Put(sb)
+	}
+	if err != nil {
+		return nil, err
+	}
+	defer func() {
+		if err != nil {
+			e.release(context.Background(), sb)
+			e.state.Delete(id)
+		}
+	}()
+	ns := &NetSpec{}
+	if err := ns.validate(); err != nil {
+		return nil, err
+	}
+	launch, nics, err := e.isolate(ctx, sb, ns)
+	if err != nil {
+		return nil, err
+	}
+	_, ref, err := e.snaps.Acquire(snap.Tag)
+	if err != nil {
+		return nil, err
+	}
+	defer ref.Close()
+	spec := vmm.ParkSpec{Name: id, RunDir: sb.Handle.RunDir, Config: snap.Machine, MemoryFile: snap.MemoryPath(),
+		NICs: nics, Hold: []*os.File{ref.File}, Launch: launch}
+	if snap.Rootfs.Path != "" {
+		spec.Disks = []vmm.Disk{{Path: snap.Rootfs.Path, ReadOnly: true}}
+	}
+	pk, err := e.cfg.Backend.(vmm.Parker).Park(ctx, spec)
+	if err != nil {
+		return nil, err
+	}
+	sb.Handle = pk.Handle()
+	if err := e.state.Put(sb); err != nil {
+		pk.Discard(ctx)
+		return nil, err
+	}
+	return &parkedVMM{p: pk, sb: sb}, nil
+}
+
+// discard stops a parked VMM and releases what it holds.
+func (p *pool) discard(pk *parkedVMM) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	err := errors.Join(pk.p.Discard(ctx), p.e.release(ctx, pk.sb), p.e.state.Delete(pk.sb.ID))
+	if err != nil {
+		return fmt.Errorf("discard parked VMM %s: %w", pk.sb.ID, err)
+	}
+	return nil
+}
+
+// drop discards tag's parked VMMs and stops refilling them (before the
+// snapshot is removed: parked VMMs hold references on it).
+func (p *pool) drop(tag string) error {
+	if p == nil {
+		return nil
+	}
+	return p.dropTags([]string{tag})
+}
+
+func (p *pool) dropTags(tags []string) error {
+	var fillers []chan struct{}
+	p.mu.Lock()
+	for _, tag := range tags {
+		var recent []string
+		for _, t := range p.recent {
+			if t != tag {
+				recent = append(recent, t)
+			}
+		}
+		p.recent = recent
+		if ch := p.filling[tag]; ch != nil {
+			fillers = append(fillers, ch)
+		}
+	}
+	p.mu.Unlock()
+	// A filler stops once its tag is no longer wanted; what it was parking
+	// it discards itself.
+	for _, ch := range fillers {
+		<-ch
+	}
+	var gone []*parkedVMM
+	p.mu.Lock()
+	for _, tag := range tags {
+		gone = append(gone, p.entries[tag]...)
+		delete(p.entries, tag)
+	}
+	p.mu.Unlock()
+	var errs []error
+	for _, pk := range gone {
+		errs = append(errs, p.discard(pk))
+	}
+	return errors.Join(errs...)
+}
+
+// close discards every parked VMM.
+func (p *pool) close() error {
+	if p == nil {
+		return nil
+	}
+	p.mu.Lock()
+	tags := append([]string(nil), p.recent...)
+	for t := range p.entries {
+		tags = append(tags, t)
+	}
+	p.mu.Unlock()
+	return p.dropTags(tags)
+}
+
+// PrimePool parks up to size VMMs for snapshot tag and waits (until ctx
+// ends) until they are all parked. It gives an engine without
+// Config.Pool a pool; the benchmark uses it to time forks from parked VMMs.
+func (e *Engine) PrimePool(ctx context.Context, tag string, size int) error {
+	snap, err := e.snaps.Get(tag)
+	if err != nil {
+		return err
+	}
+	if e.pool == nil {
+		if e.pool = newPool(e, size); e.pool == nil {
+			return fmt.Errorf("backend %s cannot park VMMs", e.cfg.Backend.Name())
+		}
+	}
+	e.pool.refill(snap)
+	for {
+		parked, _ := e.PoolStats()
+		if parked[tag] >= e.pool.size {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+}
+
+// PoolStats says how many VMMs wait parked per snapshot, and how many
+// forks took one.
+func (e *Engine) PoolStats() (parked map[string]int, hits int) {
+	parked = map[string]int{}
+	if e.pool == nil {
+		return parked, 0
+	}
+	e.pool.mu.Lock()
+	defer e.pool.mu.Unlock()
+	for t, es := range e.pool.entries {
+		parked[t] = len(es)
+	}
+	return parked, e.pool.hits
+}

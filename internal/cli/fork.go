@@ -39,7 +39,10 @@ func newForkCmd(g *globals) *cobra.Command {
 			if err != nil {
 				return err
 			}
+			bar := newCounter(g.stderr, "forking "+spec.Tag, spec.N)
+			spec.OnDone = func(c sandbox.Child) { bar.add(c.Err == nil) }
 			res, err := e.Fork(cmd.Context(), spec)
+			bar.finish()
 			if res == nil && err != nil {
 				return err
 			}

@@ -26,6 +26,9 @@ type ForkSpec struct {
 	// KeepPartial keeps the children that came up when others failed;
 	// by default a batch is all or nothing.
 	KeepPartial bool
+	// OnDone, if set, is called as each child is ready or has failed
+	// (from several goroutines at once).
+	OnDone func(Child)
 	// IDs, when set, are the children's ids (len N, each valid and
 	// unused), so a caller can reserve them before the batch starts.
 	IDs []string
@@ -127,6 +130,9 @@ func (e *Engine) Fork(ctx context.Context, spec ForkSpec) (*ForkResult, error) {
 			}
 			defer func() { <-e.restores }()
 			*c = e.forkOne(ctx, snap, spec, id)
+			if spec.OnDone != nil {
+				spec.OnDone(*c)
+			}
 		}(&res.Children[i])
 	}
 	wg.Wait()

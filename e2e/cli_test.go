@@ -6,12 +6,14 @@ import (
 	"bytes"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
 	"syscall"
 	"testing"
+	"time"
 
 	"github.com/forkd/forkd/internal/testutil"
 	"github.com/forkd/forkd/internal/testvm"
@@ -291,6 +293,18 @@ func TestCleanup(t *testing.T) {
 	victim := ls.Sandboxes[0]
 	if err := syscall.Kill(victim.PID, syscall.SIGKILL); err != nil {
 		t.Fatal(err)
+	}
+	// SIGKILL is asynchronous: wait until the VMM has exited (a zombie
+	// counts as exited).
+	for deadline := time.Now().Add(20 * time.Second); ; {
+		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", victim.PID))
+		if err != nil || strings.Contains(string(b), ") Z ") {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("VMM %d still alive after SIGKILL", victim.PID)
+		}
+		time.Sleep(20 * time.Millisecond)
 	}
 	stray := filepath.Join(c.data, "run", "sb-strayzzzzz")
 	os.MkdirAll(stray, 0o700)

@@ -19,6 +19,7 @@ import (
 	"github.com/forkd/forkd/internal/agent"
 	"github.com/forkd/forkd/internal/agent/proto"
 	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/image/deb"
 	"github.com/forkd/forkd/internal/sandbox"
 	"github.com/forkd/forkd/internal/snapshot"
 )
@@ -43,28 +44,11 @@ var runtimeDeps = []hostDep{
 func missingPackages() []string {
 	var pkgs []string
 	for _, d := range runtimeDeps {
-		if strings.HasPrefix(d.path, "/") {
-			if _, err := os.Stat(d.path); err == nil {
-				continue
-			}
-		} else if _, err := lookPathSbin(d.path); err == nil {
-			continue
+		if _, err := deb.LookPath(d.path); err != nil {
+			pkgs = append(pkgs, d.pkg)
 		}
-		pkgs = append(pkgs, d.pkg)
 	}
 	return pkgs
-}
-
-func lookPathSbin(name string) (string, error) {
-	if p, err := exec.LookPath(name); err == nil {
-		return p, nil
-	}
-	for _, dir := range []string{"/usr/sbin", "/sbin"} {
-		if st, err := os.Stat(dir + "/" + name); err == nil && st.Mode()&0o111 != 0 {
-			return dir + "/" + name, nil
-		}
-	}
-	return "", exec.ErrNotFound
 }
 
 func newQuickstartCmd(g *globals) *cobra.Command {

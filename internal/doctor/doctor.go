@@ -20,6 +20,8 @@ import (
 	"runtime"
 	"strings"
 	"time"
+
+	"github.com/forkd/forkd/internal/image/deb"
 )
 
 // Status is the outcome of one check.
@@ -189,7 +191,7 @@ func (o *Options) defaults() {
 		o.CheckTimeout = 20 * time.Second
 	}
 	if o.LookPath == nil {
-		o.LookPath = lookPath
+		o.LookPath = deb.LookPath
 	}
 	if o.Output == nil {
 		o.Output = func(ctx context.Context, name string, args ...string) ([]byte, error) {
@@ -201,20 +203,6 @@ func (o *Options) defaults() {
 		o.Dial = d.DialContext
 	}
 	o.Probes.defaults()
-}
-
-// lookPath finds name in PATH, then in the sbin directories a non-root
-// PATH often lacks.
-func lookPath(name string) (string, error) {
-	if p, err := exec.LookPath(name); err == nil {
-		return p, nil
-	}
-	for _, dir := range []string{"/usr/sbin", "/sbin", "/usr/local/bin", "/usr/bin"} {
-		if p, err := exec.LookPath(dir + "/" + name); err == nil {
-			return p, nil
-		}
-	}
-	return "", exec.ErrNotFound
 }
 
 // Run performs every check on the host opts describes. ctx bounds the

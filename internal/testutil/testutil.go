@@ -8,8 +8,9 @@ package testutil
 
 import (
 	"os"
-	"os/exec"
 	"testing"
+
+	"github.com/forkd/forkd/internal/image/deb"
 )
 
 // StrictEnv is the environment variable that turns skips into failures.
@@ -53,19 +54,6 @@ func RequireCommand(t testing.TB, names ...string) string {
 	return first
 }
 
-// LookPath finds name in PATH, then in /usr/sbin and /sbin, which a
-// non-root PATH often lacks.
-func LookPath(name string) (string, error) {
-	if p, err := exec.LookPath(name); err == nil {
-		return p, nil
-	}
-	var last error
-	for _, dir := range []string{"/usr/sbin", "/sbin", "/usr/bin", "/bin"} {
-		p, err := exec.LookPath(dir + "/" + name)
-		if err == nil {
-			return p, nil
-		}
-		last = err
-	}
-	return "", last
-}
+// LookPath finds a host command the way forkd itself does (deb.LookPath:
+// PATH, then /usr/sbin and /sbin, which a non-root PATH often lacks).
+func LookPath(name string) (string, error) { return deb.LookPath(name) }

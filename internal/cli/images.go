@@ -106,9 +106,9 @@ func (g *globals) listSnapshots(ctx context.Context) ([]snapshotView, error) {
 		return err
 	}, func(e *sandbox.Engine) error {
 		snaps, err := e.Snapshots().List()
+		refs, _ := e.Refcounts()
 		for _, s := range snaps {
-			users, _ := e.Users(s.Tag)
-			views = append(views, viewSnapshot(s, len(users)))
+			views = append(views, viewSnapshot(s, refs[s.Tag]))
 		}
 		return err
 	})

@@ -126,17 +126,38 @@ func (e *Engine) refresh(sb *state.Sandbox) {
 
 // Users returns the ids of live sandboxes of snapshot tag.
 func (e *Engine) Users(tag string) ([]string, error) {
+	users, err := e.users()
+	return users[tag], err
+}
+
+// Refcounts returns the number of live sandboxes of every snapshot that has
+// any, from one read of the state store.
+func (e *Engine) Refcounts() (map[string]int, error) {
+	users, err := e.users()
+	counts := make(map[string]int, len(users))
+	for tag, ids := range users {
+		counts[tag] = len(ids)
+	}
+	return counts, err
+}
+
+// users maps snapshot tags to the ids of their live sandboxes: records
+// whose VMM runs, not counting parked VMMs and snapshot parents.
+func (e *Engine) users() (map[string][]string, error) {
 	list, err := e.state.List()
 	if err != nil {
 		return nil, err
 	}
-	var ids []string
+	out := map[string][]string{}
 	for _, sb := range list {
-		if sb.Snapshot == tag && proc.Alive(sb.Handle.Process) {
-			ids = append(ids, sb.ID)
+		if sb.Status == state.StatusParked || sb.Status == state.StatusBuilding {
+			continue
+		}
+		if proc.Alive(sb.Handle.Process) {
+			out[sb.Snapshot] = append(out[sb.Snapshot], sb.ID)
 		}
 	}
-	return ids, nil
+	return out, nil
 }
 
 // RemoveSnapshot deletes snapshot tag; refused while any sandbox uses it.

@@ -17,12 +17,13 @@ const (
 	maxWarmupBytes   = 4096
 )
 
-func (s *Server) viewSnapshot(sn *snapshot.Snapshot) apiv1.Snapshot {
-	users, _ := s.e.Users(sn.Tag)
+// viewSnapshot is a snapshot as the API shows it; refs is its number of
+// live sandboxes.
+func viewSnapshot(sn *snapshot.Snapshot, refs int) apiv1.Snapshot {
 	return apiv1.Snapshot{
 		Tag: sn.Tag, Status: string(sn.Status), Image: sn.Image, Backend: sn.Backend,
 		Accelerator: sn.Accelerator, MemoryMiB: sn.MemoryMiB, VCPUs: sn.VCPUs,
-		SizeBytes: sn.SizeBytes(), Refcount: len(users), Created: sn.Created, Parent: sn.Parent, Error: sn.Error,
+		SizeBytes: sn.SizeBytes(), Refcount: refs, Created: sn.Created, Parent: sn.Parent, Error: sn.Error,
 		Network: sn.Network, Python: sn.Python,
 	}
 }
@@ -33,8 +34,9 @@ func (s *Server) listSnapshots(r *http.Request) (any, error) {
 		return nil, err
 	}
 	out := apiv1.SnapshotList{Snapshots: []apiv1.Snapshot{}}
+	refs, _ := s.e.Refcounts()
 	for _, sn := range snaps {
-		out.Snapshots = append(out.Snapshots, s.viewSnapshot(sn))
+		out.Snapshots = append(out.Snapshots, viewSnapshot(sn, refs[sn.Tag]))
 	}
 	for tag := range s.ops.writing() {
 		out.Snapshots = append(out.Snapshots, apiv1.Snapshot{Tag: tag, Status: apiv1.SnapshotWriting})
@@ -54,7 +56,8 @@ func (s *Server) getSnapshot(r *http.Request) (any, error) {
 	if err != nil {
 		return nil, err
 	}
-	return s.viewSnapshot(sn), nil
+	users, _ := s.e.Users(sn.Tag)
+	return viewSnapshot(sn, len(users)), nil
 }
 
 func (s *Server) deleteSnapshot(r *http.Request) (any, error) {

@@ -248,44 +248,54 @@ func (e *Engine) forkOne(ctx context.Context, snap *snapshot.Snapshot, spec Fork
 // restoreFresh records sb, gives it its network and cgroup, and starts a
 // VMM restored from snap. What it made is released by the caller on error.
 func (e *Engine) restoreFresh(ctx context.Context, snap *snapshot.Snapshot, spec ForkSpec, sb *state.Sandbox) (vmm.Machine, error) {
-	var err error
-	if snap.Network {
-		err = e.state.PutWithSlot(sb, e.cfg.Net.MaxSlots())
-	} else {
-		err = e.state.Put(sb)
-	}
-	if err != nil {
+	if err := e.record(sb, snap); err != nil {
 		return nil, err
 	}
 	if err := e.fault("recorded"); err != nil {
 		return nil, err
 	}
-	launch, nics, err := e.isolate(ctx, sb, spec.Net)
-	if err == nil {
-		err = e.fault("isolated")
-	}
-	if err != nil {
-		return nil, err
-	}
-	_, ref, err := e.snaps.Acquire(snap.Tag)
+	ps, ref, err := e.prepareVMM(ctx, snap, sb, spec.Net)
 	if err != nil {
 		return nil, err
 	}
 	defer ref.Close()
-	rspec := vmm.RestoreSpec{
-		Launch:     launch,
-		Name:       sb.ID,
-		RunDir:     sb.Handle.RunDir,
-		Config:     snap.Machine,
-		MemoryFile: snap.MemoryPath(),
-		StateFile:  snap.StatePath(),
-		NICs:       nics,
-		Hold:       []*os.File{ref.File},
+	return e.cfg.Backend.Restore(ctx, vmm.RestoreSpec{
+		Name: ps.Name, RunDir: ps.RunDir, Config: ps.Config, MemoryFile: ps.MemoryFile,
+		StateFile: snap.StatePath(), Disks: ps.Disks, NICs: ps.NICs, Hold: ps.Hold, Launch: ps.Launch,
+	})
+}
+
+// record stores sb, with a network slot when snap has a NIC.
+func (e *Engine) record(sb *state.Sandbox, snap *snapshot.Snapshot) error {
+	if snap.Network {
+		return e.state.PutWithSlot(sb, e.cfg.Net.MaxSlots())
+	}
+	return e.state.Put(sb)
+}
+
+// prepareVMM isolates the recorded sb (network with ns's policy, cgroup
+// with its limits) and takes a reference on snap; it returns how to start
+// sb's VMM. The caller closes the reference once the VMM has started.
+func (e *Engine) prepareVMM(ctx context.Context, snap *snapshot.Snapshot, sb *state.Sandbox, ns *NetSpec) (vmm.ParkSpec, *snapshot.Ref, error) {
+	launch, nics, err := e.isolate(ctx, sb, ns)
+	if err == nil {
+		err = e.fault("isolated")
+	}
+	if err != nil {
+		return vmm.ParkSpec{}, nil, err
+	}
+	_, ref, err := e.snaps.Acquire(snap.Tag)
+	if err != nil {
+		return vmm.ParkSpec{}, nil, err
+	}
+	ps := vmm.ParkSpec{
+		Name: sb.ID, RunDir: sb.Handle.RunDir, Config: snap.Machine, MemoryFile: snap.MemoryPath(),
+		NICs: nics, Hold: []*os.File{ref.File}, Launch: launch,
 	}
 	if snap.Rootfs.Path != "" {
-		rspec.Disks = []vmm.Disk{{Path: snap.Rootfs.Path, ReadOnly: true}}
+		ps.Disks = []vmm.Disk{{Path: snap.Rootfs.Path, ReadOnly: true}}
 	}
-	return e.cfg.Backend.Restore(ctx, rspec)
+	return ps, ref, nil
 }
 
 func msSince(t time.Time) float64 {

@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"os"
 	"path/filepath"
 	"sync"
 	"time"
@@ -186,12 +185,7 @@ func (p *pool) park(snap *snapshot.Snapshot) (_ *parkedVMM, err error) {
 	id := newID()
 	sb := &state.Sandbox{ID: id, Snapshot: snap.Tag, Status: state.StatusParked, Created: time.Now().UTC(),
 		Handle: vmm.Handle{Backend: e.cfg.Backend.Name(), RunDir: filepath.Join(e.runDir, id)}}
-	if snap.Network {
-		err = e.state.PutWithSlot(sb, e.cfg.Net.MaxSlots())
-	} else {
-		err = e.state.Put(sb)
-	}
-	if err != nil {
+	if err := e.record(sb, snap); err != nil {
 		return nil, err
 	}
 	defer func() {
@@ -204,20 +198,11 @@ func (p *pool) park(snap *snapshot.Snapshot) (_ *parkedVMM, err error) {
 	if err := ns.validate(); err != nil {
 		return nil, err
 	}
-	launch, nics, err := e.isolate(ctx, sb, ns)
-	if err != nil {
-		return nil, err
-	}
-	_, ref, err := e.snaps.Acquire(snap.Tag)
+	spec, ref, err := e.prepareVMM(ctx, snap, sb, ns)
 	if err != nil {
 		return nil, err
 	}
 	defer ref.Close()
-	spec := vmm.ParkSpec{Name: id, RunDir: sb.Handle.RunDir, Config: snap.Machine, MemoryFile: snap.MemoryPath(),
-		NICs: nics, Hold: []*os.File{ref.File}, Launch: launch}
-	if snap.Rootfs.Path != "" {
-		spec.Disks = []vmm.Disk{{Path: snap.Rootfs.Path, ReadOnly: true}}
-	}
 	pk, err := e.cfg.Backend.(vmm.Parker).Park(ctx, spec)
 	if err != nil {
 		return nil, err

@@ -4,17 +4,17 @@ package e2e
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"errors"
-	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 
+	"github.com/forkd/forkd/internal/proc"
 	"github.com/forkd/forkd/internal/testutil"
 	"github.com/forkd/forkd/internal/testvm"
 )
@@ -291,20 +291,18 @@ func TestCleanup(t *testing.T) {
 	}
 	json.Unmarshal([]byte(c.ok("ls", "--json")), &ls)
 	victim := ls.Sandboxes[0]
-	if err := syscall.Kill(victim.PID, syscall.SIGKILL); err != nil {
+	id, err := proc.Self(victim.PID)
+	if err != nil {
 		t.Fatal(err)
 	}
-	// SIGKILL is asynchronous: wait until the VMM has exited (a zombie
-	// counts as exited).
-	for deadline := time.Now().Add(20 * time.Second); ; {
-		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", victim.PID))
-		if err != nil || strings.Contains(string(b), ") Z ") {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("VMM %d still alive after SIGKILL", victim.PID)
-		}
-		time.Sleep(20 * time.Millisecond)
+	// SIGKILL is asynchronous, and a zombie leader can show in /proc while
+	// the rest of QEMU's threads are still exiting: wait on a pidfd, which
+	// becomes readable only once the whole thread group has exited (the
+	// same test cleanup uses).
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	if err := proc.Kill(ctx, id); err != nil {
+		t.Fatalf("kill VMM %d: %v", victim.PID, err)
 	}
 	stray := filepath.Join(c.data, "run", "sb-strayzzzzz")
 	os.MkdirAll(stray, 0o700)

@@ -14,6 +14,7 @@ import (
 	"os/signal"
 	"os/user"
 	"path/filepath"
+	"strings"
 	"syscall"
 
 	"github.com/spf13/cobra"
@@ -73,6 +74,11 @@ func newRoot(g *globals) *cobra.Command {
 		SilenceUsage:  true,
 		SilenceErrors: true,
 		Version:       Version,
+		// Global flags are checked before any command acts.
+		PersistentPreRunE: func(*cobra.Command, []string) error {
+			_, err := parseLogLevel(g.logLevel)
+			return err
+		},
 	}
 	root.SetOut(g.stdout)
 	root.SetErr(g.stderr)
@@ -131,9 +137,25 @@ func (g *globals) resolveDataDir() (string, error) {
 	return filepath.Join(home, ".local", "share", "forkd"), nil
 }
 
+// parseLogLevel parses --log-level.
+func parseLogLevel(s string) (slog.Level, error) {
+	switch strings.ToLower(s) {
+	case "debug":
+		return slog.LevelDebug, nil
+	case "info":
+		return slog.LevelInfo, nil
+	case "", "warn", "warning":
+		return slog.LevelWarn, nil
+	case "error":
+		return slog.LevelError, nil
+	}
+	return 0, errdefs.InvalidArgument("--log-level %q: want debug, info, warn or error", s)
+}
+
+// logger is the logger of a command; the level was checked before it ran.
 func (g *globals) logger() *slog.Logger {
-	var lvl slog.Level
-	if err := lvl.UnmarshalText([]byte(g.logLevel)); err != nil {
+	lvl, err := parseLogLevel(g.logLevel)
+	if err != nil {
 		lvl = slog.LevelWarn
 	}
 	return slog.New(slog.NewTextHandler(g.stderr, &slog.HandlerOptions{Level: lvl}))

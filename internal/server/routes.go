@@ -3,6 +3,7 @@ package server
 import (
 	"context"
 	"net/http"
+	"slices"
 	"strings"
 
 	apiv1 "github.com/forkd/forkd/api/v1"
@@ -73,7 +74,7 @@ var (
 	pathParam  = param{Name: "path", Type: "string", Doc: "absolute guest path", Required: true}
 	ndjson     = "application/x-ndjson"
 	octets     = "application/octet-stream"
-	sbFilters  = []param{{Name: "snapshot", Type: "string", Doc: "only children of this snapshot"}, {Name: "metadata", Type: "string", Doc: "KEY=VALUE; repeatable, all must match"}, {Name: "status", Type: "string", Doc: "only sandboxes in this status"}}
+	sbFilters  = []param{{Name: "snapshot", Type: "string", Doc: "only children of this snapshot"}, {Name: "metadata", Type: "string", Doc: "KEY=VALUE; repeatable, all must match"}, {Name: "status", Type: "string", Doc: "only sandboxes in this status: " + strings.Join(sandboxStatuses, ", ")}}
 	listParams = []param{pathParam, {Name: "depth", Type: "integer", Doc: "levels to list (default 1)"}}
 )
 
@@ -146,6 +147,10 @@ func (s *Server) adapt(rt route) http.Handler {
 			writeError(w, err)
 			return
 		}
+		if err := checkQuery(r, rt.Query); err != nil {
+			writeError(w, err)
+			return
+		}
 		v, err := rt.h.fn(s, w, r)
 		sw, _ := w.(*statusWriter)
 		switch {
@@ -160,6 +165,24 @@ func (s *Server) adapt(rt route) http.Handler {
 			writeJSON(w, status, v)
 		}
 	})
+}
+
+// checkQuery refuses query parameters a route does not take, naming
+// those it does.
+func checkQuery(r *http.Request, params []param) error {
+	for name := range r.URL.Query() {
+		if !slices.ContainsFunc(params, func(p param) bool { return p.Name == name }) {
+			if len(params) == 0 {
+				return errdefs.InvalidArgument("unknown query parameter %q: %s %s takes none", name, r.Method, r.URL.Path)
+			}
+			names := make([]string, len(params))
+			for i, p := range params {
+				names[i] = p.Name
+			}
+			return errdefs.InvalidArgument("unknown query parameter %q: want one of %s", name, strings.Join(names, ", "))
+		}
+	}
+	return nil
 }
 
 // noRoute answers requests no route matched: 405 with Allow when the path

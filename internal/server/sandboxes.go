@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net/http"
 	"net/netip"
+	"slices"
 	"strings"
 	"time"
 
@@ -24,6 +25,10 @@ const (
 	maxRulePorts      = 16
 	maxPublished      = 16
 )
+
+// sandboxStatuses are the statuses GET /v1/sandboxes?status= filters on.
+var sandboxStatuses = []string{state.StatusStarting, state.StatusRunning, state.StatusParked, state.StatusBuilding,
+	state.StatusDead, state.StatusOOM}
 
 // ForkSpec validates a create request into a fork spec. maxN is the
 // largest batch one request may ask for.
@@ -223,6 +228,9 @@ func (s *Server) listSandboxes(r *http.Request) (any, error) {
 		want[k] = v
 	}
 	status := q.Get("status")
+	if status != "" && !slices.Contains(sandboxStatuses, status) {
+		return nil, errdefs.InvalidArgument("status %q: want one of %s", status, strings.Join(sandboxStatuses, ", "))
+	}
 	list, err := s.e.List(r.Context())
 	if err != nil {
 		return nil, err

@@ -1,6 +1,7 @@
 package cli
 
 import (
+	"math"
 	"strconv"
 	"strings"
 
@@ -8,6 +9,7 @@ import (
 
 	apiv1 "github.com/forkd/forkd/api/v1"
 	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/server"
 )
 
 // isoFlags are the network and limit flags of fork and spawn. They fill
@@ -30,11 +32,11 @@ func (f *isoFlags) register(fs *pflag.FlagSet) {
 	fs.StringArrayVar(&f.allow, "allow", nil, "egress destination CIDR[:PROTO[:PORTS]], e.g. 198.51.100.0/24 or 1.1.1.1/32:udp:53 (repeatable)")
 	fs.IntSliceVar(&f.publish, "publish", nil, "guest TCP port to publish on a host port (repeatable)")
 	fs.IntVar(&f.memoryMiB, "memory-limit-mib", 0, "host memory limit per sandbox, VMM included (over it: killed, status oom)")
-	fs.Float64Var(&f.cpus, "cpus", 0, "CPU limit per sandbox, in cores (e.g. 0.5)")
+	fs.Float64Var(&f.cpus, "cpus", 0, "CPU limit per sandbox, in cores: 0.01 to 1024 (e.g. 0.5; 0 = no limit)")
 	fs.IntVar(&f.pids, "pids-limit", 0, "task limit of each sandbox's VMM process")
 	fs.IntVar(&f.ioWeight, "io-weight", 0, "relative disk share, 1 to 10000 (needs a CFQ/BFQ scheduler on cgroup v1)")
-	fs.Float64Var(&f.ioReadMB, "io-read-mbps", 0, "disk read limit per sandbox, MB/s")
-	fs.Float64Var(&f.ioWriteMB, "io-write-mbps", 0, "disk write limit per sandbox, MB/s")
+	fs.Float64Var(&f.ioReadMB, "io-read-mbps", 0, "disk read limit per sandbox, MB/s (0 = no limit)")
+	fs.Float64Var(&f.ioWriteMB, "io-write-mbps", 0, "disk write limit per sandbox, MB/s (0 = no limit)")
 }
 
 // apply sets req's network and limits from the flags.
@@ -50,13 +52,35 @@ func (f *isoFlags) apply(req *apiv1.CreateSandboxesRequest) error {
 		}
 		req.Network = ns
 	}
-	req.MemoryLimitMiB, req.CPUs, req.PIDsLimit = f.memoryMiB, f.cpus, f.pids
-	if f.ioReadMB < 0 || f.ioWriteMB < 0 {
-		return errdefs.InvalidArgument("--io-read-mbps and --io-write-mbps must be positive")
+	if err := server.CheckCPUs("--cpus", f.cpus); err != nil {
+		return err
 	}
+	read, err := bytesPerSecond("--io-read-mbps", f.ioReadMB)
+	if err != nil {
+		return err
+	}
+	write, err := bytesPerSecond("--io-write-mbps", f.ioWriteMB)
+	if err != nil {
+		return err
+	}
+	req.MemoryLimitMiB, req.CPUs, req.PIDsLimit = f.memoryMiB, f.cpus, f.pids
 	req.IOWeight = f.ioWeight
-	req.IOReadBps, req.IOWriteBps = int64(f.ioReadMB*1e6), int64(f.ioWriteMB*1e6)
+	req.IOReadBps, req.IOWriteBps = read, write
 	return nil
+}
+
+// bytesPerSecond converts the MB/s of flag to bytes per second, checking
+// the float before converting: 0 is no limit; a rate that would overflow,
+// or round to 0 and so silently mean no limit, is refused.
+func bytesPerSecond(flag string, mbps float64) (int64, error) {
+	if mbps == 0 {
+		return 0, nil
+	}
+	const maxMBps = server.MaxIOBps / 1e6
+	if !(mbps > 0 && mbps <= maxMBps) || math.Round(mbps*1e6) < 1 {
+		return 0, errdefs.InvalidArgument("%s %g: want 0 (no limit) or 0.000001 to %g MB/s", flag, mbps, float64(maxMBps))
+	}
+	return int64(math.Round(mbps * 1e6)), nil
 }
 
 // parseRule parses CIDR[:PROTO[:PORTS]] (PORTS: comma-separated ports or

@@ -59,3 +59,29 @@ func TestLogLevelRefused(t *testing.T) {
 		}
 	}
 }
+
+func TestLimitFlagsRefused(t *testing.T) {
+	var cases []badArgs
+	for _, cmd := range [][]string{{"fork", "--tag", "base"}, {"spawn", "--tag", "base"}} {
+		for _, c := range []badArgs{
+			{[]string{"--cpus", "NaN"}, "--cpus"},
+			{[]string{"--cpus", "+Inf"}, "--cpus"},
+			{[]string{"--cpus", "0.001"}, "--cpus"},
+			{[]string{"--cpus", "2000"}, "--cpus"},
+			{[]string{"--cpus", "-1"}, "--cpus"},
+			{[]string{"--io-read-mbps", "1e13"}, "--io-read-mbps"},
+			{[]string{"--io-read-mbps", "1e-7"}, "--io-read-mbps"},
+			{[]string{"--io-read-mbps", "NaN"}, "--io-read-mbps"},
+			{[]string{"--io-write-mbps", "-Inf"}, "--io-write-mbps"},
+			{[]string{"--io-write-mbps", "-3"}, "--io-write-mbps"},
+		} {
+			cases = append(cases, badArgs{append(append([]string(nil), cmd...), c.args...), c.want})
+		}
+	}
+	checkRefused(t, cases)
+	for mb, want := range map[float64]int64{0: 0, 0.000001: 1, 1.5: 1500000, 1e6: 1e12} {
+		if got, err := bytesPerSecond("--io-read-mbps", mb); err != nil || got != want {
+			t.Errorf("bytesPerSecond(%g) = %d, %v; want %d", mb, got, err, want)
+		}
+	}
+}

@@ -24,7 +24,20 @@ const (
 	maxNetworkRules   = 64
 	maxRulePorts      = 16
 	maxPublished      = 16
+	minCPUs           = 0.01 // the cgroup layer's smallest quota
+	maxCPUs           = 1024
+	// MaxIOBps bounds io_read_bps and io_write_bps.
+	MaxIOBps = 1 << 40
 )
+
+// CheckCPUs checks a CPU limit in cores: 0 (no limit) or 0.01 to 1024,
+// never NaN or infinite. field names it in the error.
+func CheckCPUs(field string, cpus float64) error {
+	if cpus != 0 && !(cpus >= minCPUs && cpus <= maxCPUs) {
+		return errdefs.InvalidArgument("%s = %g: want 0 (no limit) or %g to %d cores", field, cpus, minCPUs, maxCPUs)
+	}
+	return nil
+}
 
 // sandboxStatuses are the statuses GET /v1/sandboxes?status= filters on.
 var sandboxStatuses = []string{state.StatusStarting, state.StatusRunning, state.StatusParked, state.StatusBuilding,
@@ -59,8 +72,8 @@ func ForkSpec(req *apiv1.CreateSandboxesRequest, maxN int) (sandbox.ForkSpec, er
 	if m := req.MemoryLimitMiB; m != 0 && (m < minMemoryLimitMiB || m > maxMemoryLimitMiB) {
 		return spec, errdefs.InvalidArgument("memory_limit_mib = %d: want 0 (none) or %d to %d", m, minMemoryLimitMiB, maxMemoryLimitMiB)
 	}
-	if req.CPUs < 0 || req.CPUs > 1024 {
-		return spec, errdefs.InvalidArgument("cpus = %g: want 0 (no limit) or a positive number of cores", req.CPUs)
+	if err := CheckCPUs("cpus", req.CPUs); err != nil {
+		return spec, err
 	}
 	if req.PIDsLimit < 0 || req.PIDsLimit > 1<<22 {
 		return spec, errdefs.InvalidArgument("pids_limit = %d: want 0 (no limit) or a positive number", req.PIDsLimit)
@@ -68,8 +81,8 @@ func ForkSpec(req *apiv1.CreateSandboxesRequest, maxN int) (sandbox.ForkSpec, er
 	if req.IOWeight < 0 || req.IOWeight > 10000 {
 		return spec, errdefs.InvalidArgument("io_weight = %d: want 0 (default) or 1 to 10000", req.IOWeight)
 	}
-	if req.IOReadBps < 0 || req.IOWriteBps < 0 {
-		return spec, errdefs.InvalidArgument("io_read_bps and io_write_bps: want 0 (no limit) or a positive number of bytes per second")
+	if req.IOReadBps < 0 || req.IOWriteBps < 0 || req.IOReadBps > MaxIOBps || req.IOWriteBps > MaxIOBps {
+		return spec, errdefs.InvalidArgument("io_read_bps and io_write_bps: want 0 (no limit) or 1 to %d bytes per second", int64(MaxIOBps))
 	}
 	pol, err := NetworkPolicy(req.Network)
 	if err != nil {

@@ -1,9 +1,12 @@
 package server
 
 import (
+	"math"
 	"strings"
 	"testing"
 
+	apiv1 "github.com/forkd/forkd/api/v1"
+	"github.com/forkd/forkd/internal/errdefs"
 	"github.com/forkd/forkd/internal/sandbox"
 )
 
@@ -24,5 +27,42 @@ func TestQueryParametersChecked(t *testing.T) {
 		if code, b := d.call(t, "GET", path, testToken, nil); code != 200 {
 			t.Errorf("GET %s: %d %s", path, code, b)
 		}
+	}
+}
+
+func TestForkLimitsChecked(t *testing.T) {
+	for _, c := range []struct {
+		cpus      float64
+		read, wri int64
+		want      string
+	}{
+		{cpus: math.NaN(), want: "cpus = NaN"},
+		{cpus: math.Inf(1), want: "cpus = +Inf"},
+		{cpus: 0.001, want: "cpus = 0.001: want 0 (no limit) or 0.01 to 1024"},
+		{cpus: 1025, want: "cpus = 1025"},
+		{cpus: -0.5, want: "cpus = -0.5"},
+		{read: MaxIOBps + 1, want: "io_read_bps"},
+		{wri: -1, want: "io_write_bps"},
+	} {
+		req := apiv1.CreateSandboxesRequest{SnapshotTag: "base", CPUs: c.cpus, IOReadBps: c.read, IOWriteBps: c.wri}
+		if _, err := ForkSpec(&req, 10); !errdefs.IsInvalidArgument(err) || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%+v: %v, want %q", c, err, c.want)
+		}
+	}
+	for _, cpus := range []float64{0, 0.01, 1024} {
+		if _, err := ForkSpec(&apiv1.CreateSandboxesRequest{SnapshotTag: "base", CPUs: cpus}, 10); err != nil {
+			t.Errorf("cpus %g: %v", cpus, err)
+		}
+	}
+	// Over the API, before anything is made.
+	d := startDaemon(t, noVMs{}, sandbox.Limits{}, nil)
+	for _, body := range []string{`{"snapshot_tag":"base","cpus":0.001}`, `{"snapshot_tag":"base","cpus":1e300}`} {
+		code, b := d.call(t, "POST", "/v1/sandboxes", testToken, strings.NewReader(body))
+		if e := apiError(t, b); code != 400 || !strings.Contains(e.Message, "cpus") {
+			t.Errorf("%s: %d %s", body, code, b)
+		}
+	}
+	if list, err := d.e.State().List(); err != nil || len(list) != 0 {
+		t.Errorf("state after refused requests: %v %v", list, err)
 	}
 }

@@ -80,6 +80,11 @@ func newRoot(g *globals) *cobra.Command {
 			return err
 		},
 	}
+	// A flag that does not parse (a malformed or overflowing number or
+	// duration) is an invalid argument, as a value out of range is.
+	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error {
+		return errdefs.InvalidArgument("%v", err)
+	})
 	root.SetOut(g.stdout)
 	root.SetErr(g.stderr)
 	pf := root.PersistentFlags()

@@ -4,12 +4,12 @@ import (
 	"fmt"
 	"io"
 	"strings"
-	"time"
 
 	"github.com/spf13/cobra"
 
 	"github.com/forkd/forkd/internal/agent/proto"
 	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/server"
 )
 
 func newEvalCmd(g *globals) *cobra.Command {
@@ -31,10 +31,11 @@ func newEvalCmd(g *globals) *cobra.Command {
 			if strings.TrimSpace(code) == "" {
 				return errdefs.InvalidArgument("no code: give it after -- or on stdin")
 			}
-			if timeout < 0 {
-				return errdefs.InvalidArgument("--timeout %v: must be positive", timeout)
+			d, err := server.CallTimeout("--timeout", timeout)
+			if err != nil {
+				return err
 			}
-			req := proto.EvalRequest{Code: code, Timeout: time.Duration(timeout * float64(time.Second))}
+			req := proto.EvalRequest{Code: code, Timeout: d}
 			var res *proto.EvalResult
 			if rc, err := g.remote(cmd.Context()); err != nil {
 				return err
@@ -62,7 +63,7 @@ func newEvalCmd(g *globals) *cobra.Command {
 			return printEval(g, res, asJSON)
 		},
 	}
-	cmd.Flags().Float64Var(&timeout, "timeout", 0, "interrupt the code after this many seconds (0 = no limit)")
+	cmd.Flags().Float64Var(&timeout, "timeout", 0, "interrupt the code after this many seconds, up to 86400 (0 = no limit)")
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print the whole result as JSON")
 	return cmd
 }

@@ -9,6 +9,7 @@ import (
 	apiv1 "github.com/forkd/forkd/api/v1"
 	"github.com/forkd/forkd/internal/agent"
 	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/server"
 )
 
 func newExecCmd(g *globals) *cobra.Command {
@@ -26,6 +27,9 @@ func newExecCmd(g *globals) *cobra.Command {
 			}
 			envMap, err := parseKV(env, "--env")
 			if err != nil {
+				return err
+			}
+			if _, err := server.CallTimeout("--timeout", timeout.Seconds()); err != nil {
 				return err
 			}
 			if rc, err := g.remote(cmd.Context()); err != nil {
@@ -65,7 +69,7 @@ func newExecCmd(g *globals) *cobra.Command {
 		},
 	}
 	f := cmd.Flags()
-	f.DurationVar(&timeout, "timeout", 0, "kill the command after this long (e.g. 30s; 0 = no limit)")
+	f.DurationVar(&timeout, "timeout", 0, "kill the command after this long (e.g. 30s; at most 24h; 0 = no limit)")
 	f.StringArrayVar(&env, "env", nil, "KEY=VALUE for the command (repeatable)")
 	f.StringVar(&cwd, "cwd", "", "working directory in the guest")
 	f.StringVar(&user, "user", "", "user to run as in the guest")

@@ -85,3 +85,16 @@ func TestLimitFlagsRefused(t *testing.T) {
 		}
 	}
 }
+
+func TestTimeoutsRefused(t *testing.T) {
+	checkRefused(t, []badArgs{
+		{[]string{"exec", "--timeout", "-5s", "sb-aaaaaaaaaa", "--", "true"}, "--timeout"},
+		{[]string{"exec", "--timeout", "25h", "sb-aaaaaaaaaa", "--", "true"}, "--timeout"},
+		{[]string{"exec", "--timeout", "9999999999h", "sb-aaaaaaaaaa", "--", "true"}, "--timeout"},
+		{[]string{"eval", "--timeout", "-1", "sb-aaaaaaaaaa", "--", "1+1"}, "--timeout"},
+		{[]string{"eval", "--timeout", "NaN", "sb-aaaaaaaaaa", "--", "1+1"}, "--timeout"},
+		{[]string{"eval", "--timeout", "Inf", "sb-aaaaaaaaaa", "--", "1+1"}, "--timeout"},
+		{[]string{"eval", "--timeout", "86401", "sb-aaaaaaaaaa", "--", "1+1"}, "--timeout"},
+		{[]string{"eval", "--timeout", "1e400", "sb-aaaaaaaaaa", "--", "1+1"}, "--timeout"},
+	})
+}

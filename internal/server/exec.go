@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"encoding/json"
 	"io"
-	"math"
 	"net/http"
 	"strings"
 	"sync"
@@ -20,9 +19,11 @@ import (
 // maxCallSecs bounds exec and eval timeouts.
 const maxCallSecs = 24 * 60 * 60
 
-func callTimeout(secs float64) (time.Duration, error) {
-	if math.IsNaN(secs) || secs < 0 || secs > maxCallSecs {
-		return 0, errdefs.InvalidArgument("timeout_secs = %v: want 0 (none) to %d", secs, maxCallSecs)
+// CallTimeout checks an exec or eval timeout of secs seconds: 0 (none) to
+// a day, never negative, NaN or infinite. field names it in the error.
+func CallTimeout(field string, secs float64) (time.Duration, error) {
+	if !(secs >= 0 && secs <= maxCallSecs) {
+		return 0, errdefs.InvalidArgument("%s = %v: want 0 (none) to %d seconds", field, secs, maxCallSecs)
 	}
 	return time.Duration(secs * float64(time.Second)), nil
 }
@@ -41,7 +42,7 @@ func agentExec(req *apiv1.ExecRequest) (agent.ExecRequest, error) {
 			return out, errdefs.InvalidArgument("env name %q: want a name without '=' or NUL", k)
 		}
 	}
-	d, err := callTimeout(req.TimeoutSecs)
+	d, err := CallTimeout("timeout_secs", req.TimeoutSecs)
 	if err != nil {
 		return out, err
 	}
@@ -213,7 +214,7 @@ func evalRequest(req *apiv1.EvalRequest) (proto.EvalRequest, error) {
 	if strings.TrimSpace(req.Code) == "" {
 		return proto.EvalRequest{}, errdefs.InvalidArgument("code is empty")
 	}
-	d, err := callTimeout(req.TimeoutSecs)
+	d, err := CallTimeout("timeout_secs", req.TimeoutSecs)
 	if err != nil {
 		return proto.EvalRequest{}, err
 	}

@@ -64,14 +64,16 @@ func newRmiCmd(g *globals) *cobra.Command {
 		Short: "Remove snapshots (refused while children use them)",
 		Args:  cobra.MinimumNArgs(1),
 		RunE: func(cmd *cobra.Command, tags []string) error {
+			for _, tag := range tags {
+				if err := snapshot.ValidateTag(tag); err != nil {
+					return err
+				}
+			}
 			if c, err := g.remote(cmd.Context()); err != nil {
 				return err
 			} else if c != nil {
 				defer c.Close()
 				for _, tag := range tags {
-					if err := snapshot.ValidateTag(tag); err != nil {
-						return err
-					}
 					if err := c.DeleteSnapshot(cmd.Context(), tag); err != nil {
 						return err
 					}

@@ -9,6 +9,7 @@ import (
 
 	"github.com/forkd/forkd/client"
 	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/sandbox"
 	"github.com/forkd/forkd/internal/snapshot"
 )
 
@@ -21,6 +22,16 @@ func newKillCmd(g *globals) *cobra.Command {
 		RunE: func(cmd *cobra.Command, ids []string) error {
 			if (len(ids) > 0) == (all || tag != "") || (all && tag != "") {
 				return errdefs.InvalidArgument("give sandbox ids, or --all, or --tag TAG")
+			}
+			if tag != "" {
+				if err := snapshot.ValidateTag(tag); err != nil {
+					return err
+				}
+			}
+			for _, id := range ids {
+				if err := sandbox.ValidateID(id); err != nil {
+					return err
+				}
 			}
 			if c, err := g.remote(cmd.Context()); err != nil {
 				return err
@@ -56,15 +67,10 @@ func newKillCmd(g *globals) *cobra.Command {
 	return cmd
 }
 
-// killRemote is kill through the daemon.
+// killRemote is kill through the daemon; ids and tag are valid.
 func killRemote(ctx context.Context, g *globals, c *client.Client, ids []string, all bool, tag string) error {
 	bulk := all || tag != ""
 	if bulk {
-		if tag != "" {
-			if err := snapshot.ValidateTag(tag); err != nil {
-				return err
-			}
-		}
 		list, err := c.ListSandboxes(ctx, client.ListOptions{Snapshot: tag})
 		if err != nil {
 			return err

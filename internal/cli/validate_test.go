@@ -98,3 +98,16 @@ func TestTimeoutsRefused(t *testing.T) {
 		{[]string{"eval", "--timeout", "1e400", "sb-aaaaaaaaaa", "--", "1+1"}, "--timeout"},
 	})
 }
+
+// TestBulkArgumentsCheckedFirst: one bad argument stops the command
+// before it acts on the good ones before it.
+func TestBulkArgumentsCheckedFirst(t *testing.T) {
+	checkRefused(t, []badArgs{
+		{[]string{"kill", "sb-aaaaaaaaaa", "../etc"}, `sandbox id "../etc"`},
+		{[]string{"kill", "sb-aaaaaaaaaa", "sb-AAAAAAAAAA"}, "sb-AAAAAAAAAA"},
+		{[]string{"kill", "--tag", "../x"}, `tag "../x"`},
+		{[]string{"kill", "--tag", ""}, "give sandbox ids"},
+		{[]string{"rmi", "good", "bad/tag"}, `tag "bad/tag"`},
+		{[]string{"rmi", "good", ""}, "tag is empty"},
+	})
+}

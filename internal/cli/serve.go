@@ -58,37 +58,63 @@ missing). A non-loopback --listen needs TLS (--tls-cert/--tls-key) unless
 	f.StringVar(&o.tlsKey, "tls-key", "", "TLS private key (PEM) for the TCP listener")
 	f.BoolVar(&o.noAuth, "no-auth", false, "no token on TCP (refused unless --listen is a loopback address)")
 	f.BoolVar(&o.allowPlaintext, "allow-plaintext", false, "allow a non-loopback --listen without TLS")
-	f.IntVar(&o.maxSandboxes, "max-sandboxes", 256, "live sandboxes in total (0 = no limit)")
-	f.IntVar(&o.maxPerRequest, "max-per-request", 100, "sandboxes one request may create")
-	f.IntVar(&o.maxParallel, "max-parallel-restores", 0, "restores running at once (default 2 × CPUs)")
-	f.IntVar(&o.maxPending, "max-pending-restores", 1024, "children admitted but not yet ready, all requests together")
-	f.IntVar(&o.pool, "pool", 2*runtime.NumCPU(), "VMMs kept parked (~16 MiB each) for each of the 4 snapshots forked most recently (0 = none)")
-	f.Int64Var(&o.maxBody, "max-body-bytes", 1<<20, "largest JSON request body")
+	f.IntVar(&o.maxSandboxes, "max-sandboxes", 256, fmt.Sprintf("live sandboxes in total, 1 to %d (0 = no limit)", maxServeSandboxes))
+	f.IntVar(&o.maxPerRequest, "max-per-request", 100, fmt.Sprintf("sandboxes one request may create, 1 to %d", maxServePerRequest))
+	f.IntVar(&o.maxParallel, "max-parallel-restores", 0, fmt.Sprintf("restores running at once, 1 to %d (0 = 2 × CPUs)", maxServeParallel))
+	f.IntVar(&o.maxPending, "max-pending-restores", 1024, fmt.Sprintf("children admitted but not yet ready, all requests together, 1 to %d (0 = no limit)", maxServeSandboxes))
+	f.IntVar(&o.pool, "pool", min(2*runtime.NumCPU(), maxServePool), fmt.Sprintf("VMMs kept parked (~16 MiB each) for each of the 4 snapshots forked most recently, 0 (none) to %d", maxServePool))
+	f.Int64Var(&o.maxBody, "max-body-bytes", 1<<20, "largest JSON request body, 1024 (1 KiB) to 67108864 (64 MiB)")
 	f.StringVar(&o.auditLog, "audit-log", "", `audit log, one JSON line per request (default <data-dir>/audit.log; "-" for stderr)`)
-	f.DurationVar(&o.grace, "shutdown-grace", 10*time.Second, "time requests in flight get to finish at shutdown")
+	f.DurationVar(&o.grace, "shutdown-grace", 10*time.Second, "time requests in flight get to finish at shutdown, 0 to 1h")
 	return cmd
 }
 
-func serve(ctx context.Context, g *globals, o serveOptions) error {
+// Bounds of forkd serve's flags.
+const (
+	maxServeSandboxes  = 100000
+	maxServePerRequest = 1000 // the engine's largest fork
+	maxServeParallel   = 1024
+	maxServePool       = 64
+	minServeBody       = 1 << 10
+	maxServeBody       = 64 << 20
+	maxServeGrace      = time.Hour
+)
+
+// validate checks the flags before serve touches anything.
+func (o serveOptions) validate() error {
 	if o.socket == "" && o.listen == "" {
 		return errdefs.InvalidArgument("nothing to listen on: give --socket or --listen")
 	}
 	if (o.tlsCert == "") != (o.tlsKey == "") {
 		return errdefs.InvalidArgument("--tls-cert and --tls-key go together")
 	}
-	if o.maxPerRequest < 1 {
-		return errdefs.InvalidArgument("--max-per-request %d: want at least 1", o.maxPerRequest)
+	// zero, when set, is what 0 means (allowed besides lo to hi).
+	for _, c := range []struct {
+		flag      string
+		v, lo, hi int64
+		zero      string
+	}{
+		{"--max-sandboxes", int64(o.maxSandboxes), 1, maxServeSandboxes, "no limit"},
+		{"--max-per-request", int64(o.maxPerRequest), 1, maxServePerRequest, ""},
+		{"--max-parallel-restores", int64(o.maxParallel), 1, maxServeParallel, "2 × CPUs"},
+		{"--max-pending-restores", int64(o.maxPending), 1, maxServeSandboxes, "no limit"},
+		{"--pool", int64(o.pool), 0, maxServePool, ""},
+		{"--max-body-bytes", o.maxBody, minServeBody, maxServeBody, ""},
+	} {
+		if c.v == 0 && c.zero != "" || c.v >= c.lo && c.v <= c.hi {
+			continue
+		}
+		if c.zero != "" {
+			return errdefs.InvalidArgument("%s %d: want 0 (%s) or %d to %d", c.flag, c.v, c.zero, c.lo, c.hi)
+		}
+		return errdefs.InvalidArgument("%s %d: want %d to %d", c.flag, c.v, c.lo, c.hi)
 	}
-	dir, err := g.resolveDataDir()
-	if err != nil {
-		return err
+	if o.grace < 0 || o.grace > maxServeGrace {
+		return errdefs.InvalidArgument("--shutdown-grace %v: want 0 to %v", o.grace, maxServeGrace)
 	}
-	if err := os.MkdirAll(dir, 0o700); err != nil {
-		return err
-	}
-	loopback := true
 	if o.listen != "" {
-		if loopback, err = isLoopback(o.listen); err != nil {
+		loopback, err := isLoopback(o.listen)
+		if err != nil {
 			return err
 		}
 		if !loopback && o.noAuth {
@@ -97,6 +123,20 @@ func serve(ctx context.Context, g *globals, o serveOptions) error {
 		if !loopback && o.tlsCert == "" && !o.allowPlaintext {
 			return errdefs.InvalidArgument("--listen %s is not a loopback address: give --tls-cert and --tls-key (or --allow-plaintext to send the token in clear)", o.listen)
 		}
+	}
+	return nil
+}
+
+func serve(ctx context.Context, g *globals, o serveOptions) error {
+	if err := o.validate(); err != nil {
+		return err
+	}
+	dir, err := g.resolveDataDir()
+	if err != nil {
+		return err
+	}
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return err
 	}
 	var token []byte
 	if o.listen != "" && !o.noAuth {

@@ -111,3 +111,22 @@ func TestBulkArgumentsCheckedFirst(t *testing.T) {
 		{[]string{"rmi", "good", ""}, "tag is empty"},
 	})
 }
+
+func TestServeFlagsRefused(t *testing.T) {
+	checkRefused(t, []badArgs{
+		{[]string{"serve", "--pool", "-1"}, "--pool -1: want 0 to 64"},
+		{[]string{"serve", "--pool", "65"}, "--pool"},
+		{[]string{"serve", "--max-sandboxes", "-1"}, "--max-sandboxes -1: want 0 (no limit)"},
+		{[]string{"serve", "--max-sandboxes", "100001"}, "--max-sandboxes"},
+		{[]string{"serve", "--max-per-request", "0"}, "--max-per-request 0: want 1 to 1000"},
+		{[]string{"serve", "--max-per-request", "1001"}, "--max-per-request"},
+		{[]string{"serve", "--max-parallel-restores", "-2"}, "--max-parallel-restores"},
+		{[]string{"serve", "--max-pending-restores", "-5"}, "--max-pending-restores"},
+		{[]string{"serve", "--max-body-bytes", "0"}, "--max-body-bytes 0: want 1024 to 67108864"},
+		{[]string{"serve", "--max-body-bytes", "1099511627776"}, "--max-body-bytes"},
+		{[]string{"serve", "--shutdown-grace", "-1s"}, "--shutdown-grace"},
+		{[]string{"serve", "--shutdown-grace", "2h"}, "--shutdown-grace"},
+		{[]string{"serve", "--pool", "1e3"}, "--pool"},
+		{[]string{"serve", "--listen", "0.0.0.0:1", "--no-auth"}, "not a loopback address"},
+	})
+}

@@ -210,6 +210,20 @@ func TestQuickstartIdempotent(t *testing.T) {
 	if len(ls.Sandboxes) != 1 {
 		t.Fatalf("after three quickstarts: %d sandboxes, want the last one's 1", len(ls.Sandboxes))
 	}
+	// A tag made from another image (or a typo) is refused, never replaced.
+	for _, img := range []string{"python", "no-such-image", "../x"} {
+		_, errs, code := c.run("quickstart", "-n", "1", "--yes", "--image", img, "--tag", "qs-min")
+		if code == 0 || !strings.Contains(errs, "image") {
+			t.Fatalf("quickstart --image %s over a minimal snapshot: exit %d, %q", img, code, errs)
+		}
+	}
+	if out := c.ok("images", "--json"); !strings.Contains(out, `"qs-min"`) {
+		t.Fatalf("snapshot qs-min lost to a refused quickstart: %s", out)
+	}
+	json.Unmarshal([]byte(c.ok("ls", "--json")), &ls)
+	if len(ls.Sandboxes) != 1 {
+		t.Fatalf("a refused quickstart changed the sandboxes: %d", len(ls.Sandboxes))
+	}
 }
 
 func TestBenchJSON(t *testing.T) {

@@ -39,6 +39,14 @@ func (g *Group) Destroy() error {
 	return nil
 }
 
+// Close releases the group's open directory, if any, once the VMM has
+// been started in it (or inspecting it is done). The group itself stays;
+// Destroy removes it.
+func (g *Group) Close() error {
+	g.closeFD()
+	return nil
+}
+
 func (g *Group) closeFD() {
 	g.mu.Lock()
 	defer g.mu.Unlock()

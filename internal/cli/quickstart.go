@@ -19,6 +19,7 @@ import (
 	"github.com/forkd/forkd/internal/agent"
 	"github.com/forkd/forkd/internal/agent/proto"
 	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/image"
 	"github.com/forkd/forkd/internal/image/deb"
 	"github.com/forkd/forkd/internal/sandbox"
 	"github.com/forkd/forkd/internal/snapshot"
@@ -79,6 +80,9 @@ func quickstart(ctx context.Context, g *globals, n int, yes bool, img, tag strin
 	if n < 1 || n > 1000 {
 		return errdefs.InvalidArgument("-n %d: want 1 to 1000", n)
 	}
+	if err := image.ValidateName(img); err != nil {
+		return err
+	}
 	say("checking host packages")
 	if pkgs := missingPackages(); len(pkgs) > 0 || needVMMUser() {
 		if err := installPackages(ctx, g, pkgs, yes); err != nil {
@@ -97,6 +101,11 @@ func quickstart(ctx context.Context, g *globals, n int, yes bool, img, tag strin
 	switch {
 	case err == nil && st.usable && st.image == img:
 		say("reusing snapshot %q (image %s)", tag, img)
+	case err == nil && st.image != img:
+		// Never replace a snapshot made from another image: it may be
+		// someone's work, and the new image may not even exist.
+		return errdefs.AlreadyExists("snapshot %q was made from image %q, not %q: pass another --tag, or forkd rmi %s first",
+			tag, st.image, img, tag)
 	case err == nil || !errdefs.IsNotFound(err):
 		say("snapshot %q is stale or unusable here; rebuilding it", tag)
 		if rerr := ops.removeSnapshot(ctx, tag); rerr != nil && !errdefs.IsNotFound(rerr) {

@@ -120,7 +120,7 @@ func (e *Engine) CreateSnapshot(ctx context.Context, spec SnapshotSpec) (*snapsh
 	if spec.Network {
 		// The parent holds a network slot like a child, recorded so that a
 		// crash mid-build leaves nothing the next reconcile cannot find.
-		sb := &state.Sandbox{ID: newID(), Snapshot: spec.Tag, Status: state.StatusBuilding,
+		sb := &state.Sandbox{ID: newID(), Snapshot: spec.Tag, Status: state.StatusBuilding, Starter: starter(),
 			Handle: vmm.Handle{Backend: e.cfg.Backend.Name(), RunDir: bootSpec.RunDir}, Created: time.Now().UTC()}
 		if err := e.state.PutWithSlot(sb, e.cfg.Net.MaxSlots()); err != nil {
 			return nil, err
@@ -134,7 +134,8 @@ func (e *Engine) CreateSnapshot(ctx context.Context, spec SnapshotSpec) (*snapsh
 			e.state.Delete(sb.ID)
 		}()
 		buildRec = sb
-		launch, nics, err := e.isolate(ctx, sb, &NetSpec{Policy: netns.DefaultPolicy})
+		launch, nics, done, err := e.isolate(ctx, sb, &NetSpec{Policy: netns.DefaultPolicy})
+		defer done()
 		if err != nil {
 			return nil, err
 		}

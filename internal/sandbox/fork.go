@@ -174,6 +174,7 @@ func (e *Engine) forkOne(ctx context.Context, snap *snapshot.Snapshot, spec Fork
 		ID:       id,
 		Snapshot: snap.Tag,
 		Status:   state.StatusStarting,
+		Starter:  starter(),
 		Handle:   vmm.Handle{Backend: e.cfg.Backend.Name(), RunDir: filepath.Join(e.runDir, id)},
 		Created:  time.Now().UTC(),
 		Metadata: spec.Metadata,
@@ -211,7 +212,12 @@ func (e *Engine) forkOne(ctx context.Context, snap *snapshot.Snapshot, spec Fork
 	if err != nil {
 		return fail(err)
 	}
+	// The VMM's identity is durable before anything else can fail: a crash
+	// from here on leaves a record that names the process to kill.
 	sb.Handle = m.Handle()
+	if err := e.stillStarting(id, func(r *state.Sandbox) { r.Handle = sb.Handle }); err != nil {
+		return fail(err)
+	}
 	client, err := DialAgent(rctx, m)
 	if err != nil {
 		return fail(err)
@@ -236,7 +242,8 @@ func (e *Engine) forkOne(ctx context.Context, snap *snapshot.Snapshot, spec Fork
 	if spec.Timeout > 0 {
 		sb.ExpiresAt = time.Now().Add(spec.Timeout).UTC()
 	}
-	if err := e.state.Put(sb); err != nil {
+	sb.Starter = nil // running: the sandbox no longer belongs to this process
+	if err := e.stillStarting(id, func(r *state.Sandbox) { *r = *sb }); err != nil {
 		client.Close()
 		return fail(err)
 	}
@@ -254,11 +261,11 @@ func (e *Engine) restoreFresh(ctx context.Context, snap *snapshot.Snapshot, spec
 	if err := e.fault("recorded"); err != nil {
 		return nil, err
 	}
-	ps, ref, err := e.prepareVMM(ctx, snap, sb, spec.Net)
+	ps, done, err := e.prepareVMM(ctx, snap, sb, spec.Net)
 	if err != nil {
 		return nil, err
 	}
-	defer ref.Close()
+	defer done()
 	return e.cfg.Backend.Restore(ctx, vmm.RestoreSpec{
 		Name: ps.Name, RunDir: ps.RunDir, Config: ps.Config, MemoryFile: ps.MemoryFile,
 		StateFile: snap.StatePath(), Disks: ps.Disks, NICs: ps.NICs, Hold: ps.Hold, Launch: ps.Launch,
@@ -275,17 +282,20 @@ func (e *Engine) record(sb *state.Sandbox, snap *snapshot.Snapshot) error {
 
 // prepareVMM isolates the recorded sb (network with ns's policy, cgroup
 // with its limits) and takes a reference on snap; it returns how to start
-// sb's VMM. The caller closes the reference once the VMM has started.
-func (e *Engine) prepareVMM(ctx context.Context, snap *snapshot.Snapshot, sb *state.Sandbox, ns *NetSpec) (vmm.ParkSpec, *snapshot.Ref, error) {
-	launch, nics, err := e.isolate(ctx, sb, ns)
+// sb's VMM, and done, which the caller calls once the VMM has started (or
+// failed to): the VMM holds the reference from then on.
+func (e *Engine) prepareVMM(ctx context.Context, snap *snapshot.Snapshot, sb *state.Sandbox, ns *NetSpec) (vmm.ParkSpec, func(), error) {
+	launch, nics, isolated, err := e.isolate(ctx, sb, ns)
 	if err == nil {
 		err = e.fault("isolated")
 	}
 	if err != nil {
+		isolated()
 		return vmm.ParkSpec{}, nil, err
 	}
 	_, ref, err := e.snaps.Acquire(snap.Tag)
 	if err != nil {
+		isolated()
 		return vmm.ParkSpec{}, nil, err
 	}
 	ps := vmm.ParkSpec{
@@ -295,7 +305,7 @@ func (e *Engine) prepareVMM(ctx context.Context, snap *snapshot.Snapshot, sb *st
 	if snap.Rootfs.Path != "" {
 		ps.Disks = []vmm.Disk{{Path: snap.Rootfs.Path, ReadOnly: true}}
 	}
-	return ps, ref, nil
+	return ps, func() { ref.Close(); isolated() }, nil
 }
 
 func msSince(t time.Time) float64 {

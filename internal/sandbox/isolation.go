@@ -71,14 +71,16 @@ func validateLimits(l *state.Limits) error {
 
 // isolate gives sandbox sb (already recorded, with its slot when it has a
 // network) its network namespace and cgroup, records them, and returns how
-// its VMM must be launched. On error what it made is left to release.
-func (e *Engine) isolate(ctx context.Context, sb *state.Sandbox, ns *NetSpec) (vmm.Launch, []vmm.NIC, error) {
-	launch := vmm.Launch{User: e.cfg.VMMUser}
-	var nics []vmm.NIC
+// its VMM must be launched, and done, to call once the VMM has started (or
+// failed to): it closes what the launch borrowed. On error what it made is
+// left to release.
+func (e *Engine) isolate(ctx context.Context, sb *state.Sandbox, ns *NetSpec) (launch vmm.Launch, nics []vmm.NIC, done func(), err error) {
+	launch = vmm.Launch{User: e.cfg.VMMUser}
+	done = func() {}
 	if sb.Net != nil {
 		n, err := e.cfg.Net.Create(ctx, sb.Net.Slot, ns.Policy)
 		if err != nil {
-			return launch, nil, fmt.Errorf("network: %w", err)
+			return launch, nil, done, fmt.Errorf("network: %w", err)
 		}
 		pol, _ := json.Marshal(ns.Policy)
 		sb.Net.Address, sb.Net.NetNS, sb.Net.Policy = n.ChildAddr.String(), n.NetNS, pol
@@ -92,14 +94,16 @@ func (e *Engine) isolate(ctx context.Context, sb *state.Sandbox, ns *NetSpec) (v
 			// image's rootfs, both on the data dir's disk (or the cache's).
 			maj, min, err := cgroup.DeviceOf(e.cfg.DataDir)
 			if err != nil {
-				return launch, nil, fmt.Errorf("io limit: %w", err)
+				return launch, nil, done, fmt.Errorf("io limit: %w", err)
 			}
 			cl.IO = []cgroup.IOLimit{{Major: maj, Minor: min, ReadBps: l.IOReadBps, WriteBps: l.IOWriteBps}}
 		}
 		g, err := e.cfg.Cgroups.Create(sb.ID, cl)
 		if err != nil {
-			return launch, nil, fmt.Errorf("cgroup: %w", err)
+			return launch, nil, done, fmt.Errorf("cgroup: %w", err)
 		}
+		// The launch borrows the group's directory fd until the VMM runs.
+		done = func() { g.Close() }
 		pl := g.Placement()
 		launch.CgroupFD = pl.CgroupFD
 		if len(pl.Procs) > 0 {
@@ -108,9 +112,9 @@ func (e *Engine) isolate(ctx context.Context, sb *state.Sandbox, ns *NetSpec) (v
 		}
 	}
 	if err := e.state.Put(sb); err != nil {
-		return launch, nil, err
+		return launch, nil, done, err
 	}
-	return launch, nics, nil
+	return launch, nics, done, nil
 }
 
 // release removes what a sandbox holds on the host besides its VMM: its
@@ -128,10 +132,15 @@ func (e *Engine) release(ctx context.Context, sb *state.Sandbox) error {
 	if sb.Net != nil && e.cfg.Net != nil {
 		errs = append(errs, e.cfg.Net.Destroy(ctx, sb.Net.Slot))
 	}
-	if sb.Handle.RunDir != "" {
-		errs = append(errs, os.RemoveAll(sb.Handle.RunDir))
+	// The run dir goes last, and only when the rest is gone: while it
+	// stays, the expirer's sweep (and reconcile) try the rest again.
+	if err := errors.Join(errs...); err != nil {
+		return err
 	}
-	return errors.Join(errs...)
+	if sb.Handle.RunDir != "" {
+		return os.RemoveAll(sb.Handle.RunDir)
+	}
+	return nil
 }
 
 // publish publishes guest TCP ports of a running sandbox and records them.

@@ -12,7 +12,10 @@ import (
 )
 
 // Kill stops sandbox id, removes its runtime files and its record.
-// Killing a sandbox whose VMM already died cleans up after it.
+// Killing a sandbox whose VMM already died cleans up after it. A sandbox
+// still being started (or a parent being built) by a live forkd process
+// belongs to that process until it is ready: killing it then is refused,
+// since the starter would otherwise go on with what Kill released.
 func (e *Engine) Kill(ctx context.Context, id string) error {
 	if err := ValidateID(id); err != nil {
 		return err
@@ -20,6 +23,9 @@ func (e *Engine) Kill(ctx context.Context, id string) error {
 	sb, err := e.state.Get(id)
 	if err != nil {
 		return err
+	}
+	if (sb.Status == state.StatusStarting || sb.Status == state.StatusBuilding) && inFlight(sb) {
+		return errdefs.FailedPrecondition("sandbox %s is still %s (by forkd pid %d); kill it once it is ready", id, sb.Status, sb.Starter.PID)
 	}
 	e.dropClient(id)
 	if err := e.stop(ctx, sb); err != nil {
@@ -35,6 +41,10 @@ func (e *Engine) stop(ctx context.Context, sb *state.Sandbox) error {
 		if err := proc.Kill(ctx, h.Process); err != nil {
 			return err
 		}
+	} else if err := e.killUnrecorded(ctx, sb.ID); err != nil {
+		// A starter that crashed after starting the VMM but before
+		// recording its process: find it by its run dir.
+		return err
 	}
 	return e.release(ctx, sb)
 }
@@ -50,8 +60,9 @@ func (e *Engine) KillAll(ctx context.Context, tag string) ([]string, error) {
 	var errs []error
 	for _, sb := range list {
 		// A snapshot's parent being built belongs to that build; parked
-		// VMMs to the pool.
-		if (tag != "" && sb.Snapshot != tag) || sb.Status == state.StatusBuilding || sb.Status == state.StatusParked {
+		// VMMs to the pool; a child still starting to its starter.
+		if (tag != "" && sb.Snapshot != tag) || sb.Status == state.StatusBuilding || sb.Status == state.StatusParked ||
+			(sb.Status == state.StatusStarting && inFlight(sb)) {
 			continue
 		}
 		if err := e.Kill(ctx, sb.ID); err != nil && !errdefs.IsNotFound(err) {
@@ -110,6 +121,7 @@ func (e *Engine) refresh(sb *state.Sandbox) {
 			if oom, err := g.OOMKilled(); err == nil && oom {
 				status = state.StatusOOM
 			}
+			g.Close()
 		}
 	}
 	sb.Status = status

@@ -183,7 +183,7 @@ func (p *pool) park(snap *snapshot.Snapshot) (_ *parkedVMM, err error) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	id := newID()
-	sb := &state.Sandbox{ID: id, Snapshot: snap.Tag, Status: state.StatusParked, Created: time.Now().UTC(),
+	sb := &state.Sandbox{ID: id, Snapshot: snap.Tag, Status: state.StatusParked, Created: time.Now().UTC(), Starter: starter(),
 		Handle: vmm.Handle{Backend: e.cfg.Backend.Name(), RunDir: filepath.Join(e.runDir, id)}}
 	if err := e.record(sb, snap); err != nil {
 		return nil, err
@@ -198,11 +198,11 @@ func (p *pool) park(snap *snapshot.Snapshot) (_ *parkedVMM, err error) {
 	if err := ns.validate(); err != nil {
 		return nil, err
 	}
-	spec, ref, err := e.prepareVMM(ctx, snap, sb, ns)
+	spec, done, err := e.prepareVMM(ctx, snap, sb, ns)
 	if err != nil {
 		return nil, err
 	}
-	defer ref.Close()
+	defer done()
 	pk, err := e.cfg.Backend.(vmm.Parker).Park(ctx, spec)
 	if err != nil {
 		return nil, err

@@ -55,35 +55,35 @@ func (e *Engine) Reconcile(ctx context.Context) (*ReconcileReport, error) {
 	owners := map[proc.Identity]bool{} // VMM processes records own
 	for _, sb := range list {
 		switch {
-		case sb.Status == state.StatusStarting:
+		case (sb.Status == state.StatusStarting || sb.Status == state.StatusBuilding) && ownedElsewhere(sb):
+			// Another forkd process (a CLI command) is making it: it is
+			// that process's to finish or undo.
+			owned[sb.Handle.RunDir] = true
+			if sb.Handle.Process.PID != 0 {
+				owners[sb.Handle.Process] = true
+			}
+		case sb.Status == state.StatusStarting || sb.Status == state.StatusBuilding:
+			// Its starter crashed: a child whose restore never finished,
+			// or a parent whose build died. Nothing of it is kept.
 			if err := e.stop(ctx, sb); err != nil {
-				errs = append(errs, fmt.Errorf("abort %s: %w", sb.ID, err))
+				errs = append(errs, fmt.Errorf("abort %s %s: %w", sb.Status, sb.ID, err))
 				continue
 			}
 			if err := e.state.Delete(sb.ID); err != nil {
 				errs = append(errs, err)
 				continue
 			}
-			rep.Aborted = append(rep.Aborted, sb.ID)
-		case (sb.Status == state.StatusRunning || sb.Status == state.StatusBuilding) && proc.Alive(sb.Handle.Process):
+			if sb.Status == state.StatusStarting {
+				rep.Aborted = append(rep.Aborted, sb.ID)
+			}
+		case sb.Status == state.StatusRunning && proc.Alive(sb.Handle.Process):
 			owned[sb.Handle.RunDir] = true
 			owners[sb.Handle.Process] = true
-			if sb.Status == state.StatusRunning {
-				rep.Adopted = append(rep.Adopted, sb.ID)
-			}
+			rep.Adopted = append(rep.Adopted, sb.ID)
 		case sb.Status == state.StatusParked:
 			// Parked VMMs belong to the process that parked them.
 			if err := e.stop(ctx, sb); err != nil {
 				errs = append(errs, fmt.Errorf("discard parked %s: %w", sb.ID, err))
-				continue
-			}
-			if err := e.state.Delete(sb.ID); err != nil {
-				errs = append(errs, err)
-			}
-		case sb.Status == state.StatusBuilding:
-			// A parent whose build died: nothing of it is kept.
-			if err := e.stop(ctx, sb); err != nil {
-				errs = append(errs, fmt.Errorf("abort build %s: %w", sb.ID, err))
 				continue
 			}
 			if err := e.state.Delete(sb.ID); err != nil {
@@ -173,6 +173,12 @@ func (e *Engine) vmmProcesses() ([]vmmProcess, error) {
 		if err != nil || pid == os.Getpid() {
 			continue
 		}
+		// Identity first, checked again after reading argv and cwd: a pid
+		// reused in between must not be taken for the VMM.
+		id, err := proc.Self(pid)
+		if err != nil {
+			continue // exited meanwhile
+		}
 		base := filepath.Join(proc.Root, ent.Name())
 		name := vmmName(base)
 		if name == "" {
@@ -190,9 +196,8 @@ func (e *Engine) vmmProcesses() ([]vmmProcess, error) {
 		if first, _, _ := strings.Cut(rel, string(filepath.Separator)); first != name {
 			continue
 		}
-		id, err := proc.Self(pid)
-		if err != nil {
-			continue // exited meanwhile
+		if now, err := proc.Self(pid); err != nil || now != id {
+			continue
 		}
 		p := vmmProcess{id: id, runDir: filepath.Join(e.runDir, name)}
 		if strings.HasPrefix(name, "build-") {
@@ -223,9 +228,31 @@ func vmmName(procDir string) string {
 	return ""
 }
 
-// parentAlive reports whether a process's parent is a live process other
-// than init (an orphan is reparented to pid 1 or a subreaper; we treat a
-// non-1 parent as its starter).
+// killUnrecorded kills the VMM processes working in sandbox name's run
+// dir: those of a starter that crashed before recording its VMM.
+func (e *Engine) killUnrecorded(ctx context.Context, name string) error {
+	procs, err := e.vmmProcesses()
+	if err != nil {
+		return err
+	}
+	dir := filepath.Join(e.runDir, name)
+	var errs []error
+	for _, p := range procs {
+		if p.runDir != dir {
+			continue
+		}
+		kctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		if err := proc.Kill(kctx, p.id); err != nil {
+			errs = append(errs, fmt.Errorf("kill unrecorded VMM %d: %w", p.id.PID, err))
+		}
+		cancel()
+	}
+	return errors.Join(errs...)
+}
+
+// parentAlive reports whether a process's parent is a live forkd process
+// (running our executable): the starter of a snapshot build. An orphan is
+// reparented to pid 1 or to a subreaper, which runs something else.
 func parentAlive(procDir string) bool {
 	b, err := os.ReadFile(filepath.Join(procDir, "stat"))
 	if err != nil {
@@ -240,7 +267,15 @@ func parentAlive(procDir string) bool {
 		return false
 	}
 	ppid, err := strconv.Atoi(string(f[1]))
-	return err == nil && ppid > 1
+	if err != nil || ppid <= 1 {
+		return false
+	}
+	exe, err := os.Readlink(filepath.Join(proc.Root, strconv.Itoa(ppid), "exe"))
+	if err != nil {
+		return false
+	}
+	ours, err := os.Executable()
+	return err == nil && strings.TrimSuffix(exe, " (deleted)") == strings.TrimSuffix(ours, " (deleted)")
 }
 
 // reclaimIsolation removes network slots and cgroups of this engine that

@@ -19,6 +19,7 @@ import (
 	bolterrors "go.etcd.io/bbolt/errors"
 
 	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/proc"
 	"github.com/forkd/forkd/internal/vmm"
 )
 
@@ -48,6 +49,10 @@ type Sandbox struct {
 	Net *Network `json:"net,omitempty"`
 	// Limits are the sandbox's resource limits, when it has a cgroup.
 	Limits *Limits `json:"limits,omitempty"`
+	// Starter is the forkd process making this record (while it is
+	// starting, building or parked): such a record belongs to that process
+	// while it lives, and is abandoned once it has gone.
+	Starter *proc.Identity `json:"starter,omitempty"`
 	// Extra holds records owned by other packages, keyed by package.
 	Extra map[string]json.RawMessage `json:"extra,omitempty"`
 }

@@ -1,0 +1,108 @@
+package sandbox
+
+import (
+	"context"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"testing"
+
+	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/proc"
+	"github.com/forkd/forkd/internal/state"
+	"github.com/forkd/forkd/internal/vmm"
+)
+
+// sleeper starts a process that stands for a forkd starter or a VMM and
+// returns its identity; it is killed and reaped when the test ends.
+func sleeper(t *testing.T) proc.Identity {
+	t.Helper()
+	cmd := exec.Command("sleep", "600")
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+	id, err := proc.Self(cmd.Process.Pid)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return id
+}
+
+// gone returns the identity of a process that has exited.
+func gone(t *testing.T) proc.Identity {
+	t.Helper()
+	cmd := exec.Command("sleep", "600")
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	id, err := proc.Self(cmd.Process.Pid)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd.Process.Kill()
+	cmd.Wait()
+	return id
+}
+
+// A record being made belongs to its starter while the starter lives: kill
+// refuses it, kill --all passes it by, and reconcile leaves another live
+// process's records alone but aborts those whose starter crashed, killing
+// their VMM even when only the run dir names it.
+func TestInFlightRecordsBelongToTheirStarter(t *testing.T) {
+	e := fakeEngine(t)
+	ctx := context.Background()
+	other, crashed, vmmProc := sleeper(t), gone(t), sleeper(t)
+	rec := func(id, status string, starter *proc.Identity, vmmID proc.Identity) *state.Sandbox {
+		dir := filepath.Join(e.runDir, id)
+		if err := os.MkdirAll(dir, 0o700); err != nil {
+			t.Fatal(err)
+		}
+		sb := &state.Sandbox{ID: id, Status: status, Starter: starter,
+			Handle: vmm.Handle{Backend: "fake", RunDir: dir, Process: vmmID}}
+		if err := e.state.Put(sb); err != nil {
+			t.Fatal(err)
+		}
+		return sb
+	}
+	mine := rec("sb-mineaaaaaa", state.StatusStarting, starter(), proc.Identity{})
+	elsewhere := rec("sb-otheraaaaa", state.StatusStarting, &other, proc.Identity{})
+	abandoned := rec("sb-crashaaaaa", state.StatusStarting, &crashed, proc.Identity{})
+	build := rec("sb-buildaaaaa", state.StatusBuilding, &crashed, vmmProc)
+
+	for _, sb := range []*state.Sandbox{mine, elsewhere} {
+		if err := e.Kill(ctx, sb.ID); !errdefs.IsFailedPrecondition(err) {
+			t.Errorf("Kill of %s, in flight = %v, want refused", sb.ID, err)
+		}
+	}
+	killed, err := e.KillAll(ctx, "")
+	if err != nil || !slices.Equal(killed, []string{abandoned.ID}) {
+		t.Fatalf("KillAll = %v, %v; want only the abandoned child", killed, err)
+	}
+	if _, err := e.state.Get(mine.ID); err != nil {
+		t.Fatalf("in-flight record gone after KillAll: %v", err)
+	}
+
+	rep, err := e.Reconcile(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Our own starting record cannot be in flight while we reconcile (a
+	// daemon reconciles before it forks), so it is aborted too.
+	if !slices.Equal(rep.Aborted, []string{mine.ID}) {
+		t.Errorf("aborted %v, want %v", rep.Aborted, []string{mine.ID})
+	}
+	if proc.Alive(vmmProc) {
+		t.Error("VMM of a build whose starter crashed still runs")
+	}
+	for id, want := range map[string]bool{mine.ID: false, elsewhere.ID: true, build.ID: false} {
+		_, err := e.state.Get(id)
+		if kept := err == nil; kept != want {
+			t.Errorf("record %s kept = %v, want %v", id, kept, want)
+		}
+		if _, err := os.Stat(filepath.Join(e.runDir, id)); (err == nil) != want {
+			t.Errorf("run dir %s kept = %v, want %v", id, err == nil, want)
+		}
+	}
+}

@@ -16,13 +16,15 @@ import (
 
 	"github.com/forkd/forkd/internal/agent"
 	"github.com/forkd/forkd/internal/agent/proto"
+	"github.com/forkd/forkd/internal/errdefs"
 	"github.com/forkd/forkd/internal/image"
 	"github.com/forkd/forkd/internal/sandbox"
 	"github.com/forkd/forkd/internal/state"
 	"github.com/forkd/forkd/internal/vmm"
 )
 
-// Options configure a run.
+// Options configure a run. Run fills in zero fields with defaults; then
+// every field must be within its bounds (Validate).
 type Options struct {
 	N         int
 	Image     string
@@ -89,10 +91,45 @@ type Result struct {
 	RatioColdOverReady float64 `json:"ratio_cold_over_fork_ready_p50"`
 }
 
+// Bounds of Options, named as forkd bench's flags.
+const (
+	MaxN        = 1000 // a fork's largest batch
+	MaxColdRuns = 100
+	MaxExecRuns = 10000
+	MinIdle     = 100 * time.Millisecond
+	MaxIdle     = 10 * time.Minute
+)
+
+// Validate checks o's fields, as given (zero is out of bounds too), before
+// anything is built or started. Errors are errdefs.ErrInvalidArgument.
+func (o *Options) Validate() error {
+	for _, c := range []struct {
+		name      string
+		v, lo, hi int
+	}{
+		{"-n", o.N, 1, MaxN},
+		{"--mem-size-mib", o.MemoryMiB, sandbox.MinMemoryMiB, sandbox.MaxMemoryMiB},
+		{"--cold-runs", o.ColdRuns, 1, MaxColdRuns},
+		{"--exec-runs", o.ExecRuns, 1, MaxExecRuns},
+	} {
+		if c.v < c.lo || c.v > c.hi {
+			return errdefs.InvalidArgument("%s %d: want %d to %d", c.name, c.v, c.lo, c.hi)
+		}
+	}
+	if o.IdleFor < MinIdle || o.IdleFor > MaxIdle {
+		return errdefs.InvalidArgument("--idle %v: want %v to %v", o.IdleFor, MinIdle, MaxIdle)
+	}
+	if err := image.ValidateName(o.Image); err != nil {
+		return fmt.Errorf("--image: %w", err)
+	}
+	return nil
+}
+
 // Run performs the benchmark with e. It creates a temporary snapshot and
-// removes it, and kills every VM it started, also on failure.
+// removes it, and kills every VM it started, also on failure. Zero fields
+// of o take their defaults; a field out of bounds (Validate) is an error.
 func Run(ctx context.Context, e *sandbox.Engine, o Options) (*Result, error) {
-	if o.N <= 0 {
+	if o.N == 0 {
 		o.N = 10
 	}
 	if o.Image == "" {
@@ -101,14 +138,17 @@ func Run(ctx context.Context, e *sandbox.Engine, o Options) (*Result, error) {
 	if o.MemoryMiB == 0 {
 		o.MemoryMiB = 256
 	}
-	if o.ColdRuns <= 0 {
+	if o.ColdRuns == 0 {
 		o.ColdRuns = 3
 	}
-	if o.ExecRuns <= 0 {
+	if o.ExecRuns == 0 {
 		o.ExecRuns = 30
 	}
-	if o.IdleFor <= 0 {
+	if o.IdleFor == 0 {
 		o.IdleFor = 5 * time.Second
+	}
+	if err := o.Validate(); err != nil {
+		return nil, err
 	}
 	if o.Progress == nil {
 		o.Progress = io.Discard

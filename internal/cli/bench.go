@@ -21,6 +21,9 @@ func newBenchCmd(g *globals) *cobra.Command {
 		Short: "Measure cold boot vs fork, per-child memory and CPU, exec round trips",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
+			if err := o.Validate(); err != nil {
+				return err
+			}
 			// The benchmark works in a data dir of its own (sharing the
 			// image cache), so it never meets the user's sandboxes nor a
 			// daemon holding the main state.
@@ -57,12 +60,12 @@ func newBenchCmd(g *globals) *cobra.Command {
 		},
 	}
 	f := cmd.Flags()
-	f.IntVarP(&o.N, "n", "n", 10, "children (and cold boots) at once")
+	f.IntVarP(&o.N, "n", "n", 10, fmt.Sprintf("children (and cold boots) at once, 1 to %d", bench.MaxN))
 	f.StringVar(&o.Image, "image", "minimal", "image to measure")
-	f.IntVar(&o.MemoryMiB, "mem-size-mib", 256, "guest RAM in MiB")
-	f.IntVar(&o.ColdRuns, "cold-runs", 3, "single cold boots to time")
-	f.IntVar(&o.ExecRuns, "exec-runs", 30, "exec round trips to time")
-	f.DurationVar(&o.IdleFor, "idle", 5*time.Second, "how long idle CPU is sampled")
+	f.IntVar(&o.MemoryMiB, "mem-size-mib", 256, fmt.Sprintf("guest RAM in MiB, %d to %d", sandbox.MinMemoryMiB, sandbox.MaxMemoryMiB))
+	f.IntVar(&o.ColdRuns, "cold-runs", 3, fmt.Sprintf("single cold boots to time, 1 to %d", bench.MaxColdRuns))
+	f.IntVar(&o.ExecRuns, "exec-runs", 30, fmt.Sprintf("exec round trips to time, 1 to %d", bench.MaxExecRuns))
+	f.DurationVar(&o.IdleFor, "idle", 5*time.Second, fmt.Sprintf("how long idle CPU is sampled, %v to %v", bench.MinIdle, bench.MaxIdle))
 	f.BoolVar(&asJSON, "json", false, "print one JSON object")
 	return cmd
 }

@@ -130,3 +130,17 @@ func TestServeFlagsRefused(t *testing.T) {
 		{[]string{"serve", "--listen", "0.0.0.0:1", "--no-auth"}, "not a loopback address"},
 	})
 }
+
+func TestBenchFlagsRefused(t *testing.T) {
+	checkRefused(t, []badArgs{
+		{[]string{"bench", "-n", "0"}, "-n 0: want 1 to 1000"},
+		{[]string{"bench", "-n", "-3"}, "-n -3"},
+		{[]string{"bench", "-n", "1001"}, "-n 1001"},
+		{[]string{"bench", "--mem-size-mib", "-1"}, "--mem-size-mib -1: want 64 to 65536"},
+		{[]string{"bench", "--mem-size-mib", "70000"}, "--mem-size-mib"},
+		{[]string{"bench", "--cold-runs", "-1"}, "--cold-runs"},
+		{[]string{"bench", "--exec-runs", "-1"}, "--exec-runs"},
+		{[]string{"bench", "--idle", "-1s"}, "--idle"},
+		{[]string{"bench", "--image", "../x"}, "--image"},
+	})
+}

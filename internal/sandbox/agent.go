@@ -21,6 +21,11 @@ func (e *Engine) Agent(ctx context.Context, id string) (c *agent.Client, release
 		if c := e.cachedClient(id); c != nil {
 			return c, func() {}, nil
 		}
+		// No dial lock for an id that names nothing: the map must not
+		// grow with every unknown id a caller sends.
+		if _, err := e.state.Get(id); err != nil {
+			return nil, nil, err
+		}
 		// One dial per sandbox at a time: a second session would cancel
 		// the first one's calls in the guest.
 		dmu := e.dialLock(id)
@@ -49,6 +54,12 @@ func (e *Engine) Agent(ctx context.Context, id string) (c *agent.Client, release
 	}
 	if e.cfg.Daemon {
 		e.keepClient(id, c)
+		// A Kill that ran meanwhile dropped what was cached before this
+		// dial; drop this one too rather than keep it for a gone sandbox.
+		if _, err := e.state.Get(id); err != nil {
+			e.dropClient(id)
+			return nil, nil, err
+		}
 		return c, func() {}, nil
 	}
 	return c, func() { c.Close() }, nil

@@ -106,3 +106,19 @@ func TestInFlightRecordsBelongToTheirStarter(t *testing.T) {
 		}
 	}
 }
+
+// Agent calls on ids that name nothing leave no per-sandbox state behind
+// in a long-running daemon.
+func TestUnknownIDsLeaveNoDialLock(t *testing.T) {
+	e := fakeEngine(t)
+	for _, id := range []string{"sb-aaaaaaaaaa", "sb-bbbbbbbbbb", "sb-cccccccccc"} {
+		if _, _, err := e.Agent(context.Background(), id); !errdefs.IsNotFound(err) {
+			t.Fatalf("Agent(%s) = %v, want not found", id, err)
+		}
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if len(e.dials) != 0 || len(e.conns) != 0 {
+		t.Fatalf("%d dial locks, %d clients left for unknown ids", len(e.dials), len(e.conns))
+	}
+}

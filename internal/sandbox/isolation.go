@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math"
 	"net/netip"
 	"os"
 	"strings"
@@ -59,8 +60,8 @@ func validateLimits(l *state.Limits) error {
 	switch {
 	case l.MemoryMiB < 0 || l.MemoryMiB > 1<<20:
 		return errdefs.InvalidArgument("memory limit %d MiB: want 1 to %d", l.MemoryMiB, 1<<20)
-	case l.CPUs < 0 || l.CPUs > 1024:
-		return errdefs.InvalidArgument("cpus %g: want a positive number of CPUs", l.CPUs)
+	case math.IsNaN(l.CPUs) || l.CPUs < 0 || (l.CPUs > 0 && l.CPUs < 0.01) || l.CPUs > 1024:
+		return errdefs.InvalidArgument("cpus %g: want 0.01 to 1024 CPUs (0 for no limit)", l.CPUs)
 	case l.PIDs < 0 || l.PIDs > 1<<22:
 		return errdefs.InvalidArgument("pids limit %d: want a positive number", l.PIDs)
 	case l.IOWeight > 10000:

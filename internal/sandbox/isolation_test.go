@@ -1,10 +1,13 @@
 package sandbox
 
 import (
+	"math"
 	"net/netip"
 	"testing"
 
+	"github.com/forkd/forkd/internal/errdefs"
 	"github.com/forkd/forkd/internal/netns"
+	"github.com/forkd/forkd/internal/state"
 )
 
 func TestDNSRules(t *testing.T) {
@@ -35,6 +38,20 @@ func TestNetSpecDefaults(t *testing.T) {
 	for _, bad := range []NetSpec{{Publish: []int{0}}, {Publish: []int{80, 80}}, {Policy: netns.Policy{Mode: "sometimes"}}} {
 		if err := bad.validate(); err == nil {
 			t.Errorf("%+v accepted", bad)
+		}
+	}
+}
+
+func TestValidateLimits(t *testing.T) {
+	for _, ok := range []*state.Limits{nil, {}, {CPUs: 0.01}, {CPUs: 1024}, {MemoryMiB: 128, PIDs: 64, IOWeight: 100}} {
+		if err := validateLimits(ok); err != nil {
+			t.Errorf("%+v refused: %v", ok, err)
+		}
+	}
+	for _, bad := range []*state.Limits{{CPUs: math.NaN()}, {CPUs: math.Inf(1)}, {CPUs: 0.005}, {CPUs: -1},
+		{MemoryMiB: -1}, {PIDs: -1}, {IOWeight: 10001}} {
+		if err := validateLimits(bad); !errdefs.IsInvalidArgument(err) {
+			t.Errorf("%+v: %v, want invalid argument", bad, err)
 		}
 	}
 }

@@ -3,6 +3,7 @@ package cli
 import (
 	"context"
 	"encoding/json"
+	"net/url"
 	"os"
 	"path/filepath"
 	"strings"
@@ -19,8 +20,9 @@ import (
 // or nil when none does (the command then works on the data dir itself).
 //
 // FORKD_URL names the daemon explicitly (unix:///path, http(s)://host:port);
-// it must answer. Its token is FORKD_TOKEN, else the data dir's token file
-// when readable. Without FORKD_URL the socket recorded in the data dir by a
+// it must answer. Its token is FORKD_TOKEN, else, for a loopback address
+// only, the data dir's token file when readable (daemonToken). Without
+// FORKD_URL the socket recorded in the data dir by a
 // running daemon and the default socket are tried; one is used when it
 // answers /healthz and serves this same data dir.
 func (g *globals) remote(ctx context.Context) (*client.Client, error) {
@@ -29,11 +31,9 @@ func (g *globals) remote(ctx context.Context) (*client.Client, error) {
 		return nil, err
 	}
 	if u := os.Getenv("FORKD_URL"); u != "" {
-		tok := os.Getenv("FORKD_TOKEN")
-		if tok == "" && !strings.HasPrefix(u, "unix:") {
-			if b, err := os.ReadFile(filepath.Join(dir, "token")); err == nil {
-				tok = strings.TrimSpace(string(b))
-			}
+		tok, err := daemonToken(u, dir)
+		if err != nil {
+			return nil, err
 		}
 		c, err := client.New(u, tok)
 		if err != nil {
@@ -70,6 +70,35 @@ func (g *globals) remote(ctx context.Context) (*client.Client, error) {
 		c.Close()
 	}
 	return nil, nil
+}
+
+// daemonToken is the token sent to the daemon at FORKD_URL rawURL:
+// FORKD_TOKEN when set; else the data dir's token file, but only to a
+// loopback address (unix sockets need none), so that the secret of this
+// machine's daemon never goes wherever FORKD_URL points. Plain http to a
+// host that is not loopback is refused unless FORKD_INSECURE=1: it would
+// carry the token in clear.
+func daemonToken(rawURL, dir string) (string, error) {
+	u, err := url.Parse(rawURL)
+	if err != nil {
+		return "", errdefs.InvalidArgument("FORKD_URL %q: %v", rawURL, err)
+	}
+	tok := os.Getenv("FORKD_TOKEN")
+	if u.Scheme == "unix" {
+		return tok, nil
+	}
+	if !loopbackHost(u.Hostname()) {
+		if u.Scheme == "http" && os.Getenv("FORKD_INSECURE") != "1" {
+			return "", errdefs.InvalidArgument("FORKD_URL=%s: plain http to a host that is not loopback would send the token in clear; use https:// (or set FORKD_INSECURE=1)", rawURL)
+		}
+		return tok, nil
+	}
+	if tok == "" {
+		if b, err := os.ReadFile(filepath.Join(dir, "token")); err == nil {
+			tok = strings.TrimSpace(string(b))
+		}
+	}
+	return tok, nil
 }
 
 // servesDir reports whether the daemon behind c answers and serves dir.

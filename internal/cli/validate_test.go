@@ -2,6 +2,7 @@ package cli
 
 import (
 	"bytes"
+	"io"
 	"os"
 	"path/filepath"
 	"strings"
@@ -143,4 +144,48 @@ func TestBenchFlagsRefused(t *testing.T) {
 		{[]string{"bench", "--idle", "-1s"}, "--idle"},
 		{[]string{"bench", "--image", "../x"}, "--image"},
 	})
+}
+
+func TestDaemonTokenStaysLocal(t *testing.T) {
+	dir := t.TempDir()
+	if err := os.WriteFile(filepath.Join(dir, "token"), []byte("local-secret\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		url, token, insecure string
+		want                 string // the token sent
+		refused              bool
+	}{
+		{url: "http://127.0.0.1:8889", want: "local-secret"},
+		{url: "http://localhost:8889", want: "local-secret"},
+		{url: "https://[::1]:8889", want: "local-secret"},
+		{url: "http://127.0.0.1:8889", token: "mine", want: "mine"},
+		{url: "unix:///run/forkd/forkd.sock", want: ""},
+		{url: "https://forkd.example.com", want: ""},
+		{url: "https://forkd.example.com", token: "mine", want: "mine"},
+		{url: "http://forkd.example.com:8889", refused: true},
+		{url: "http://192.0.2.1:8889", token: "mine", refused: true},
+		{url: "http://192.0.2.1:8889", token: "mine", insecure: "1", want: "mine"},
+		{url: "http://192.0.2.1:8889", insecure: "1", want: ""},
+	} {
+		t.Setenv("FORKD_TOKEN", c.token)
+		t.Setenv("FORKD_INSECURE", c.insecure)
+		tok, err := daemonToken(c.url, dir)
+		switch {
+		case c.refused && !errdefs.IsInvalidArgument(err):
+			t.Errorf("%s (token %q): %q, %v; want refused", c.url, c.token, tok, err)
+		case !c.refused && (err != nil || tok != c.want):
+			t.Errorf("%s (token %q, insecure %q): %q, %v; want %q", c.url, c.token, c.insecure, tok, err, c.want)
+		}
+	}
+	// Through a command: refused before any connection.
+	t.Setenv("FORKD_URL", "http://192.0.2.1:8889")
+	t.Setenv("FORKD_TOKEN", "")
+	t.Setenv("FORKD_INSECURE", "")
+	g := &globals{stdout: io.Discard, stderr: io.Discard, stdin: strings.NewReader("")}
+	root := newRoot(g)
+	root.SetArgs([]string{"--data-dir", dir, "kill", "sb-aaaaaaaaaa"})
+	if err := root.Execute(); !errdefs.IsInvalidArgument(err) || !strings.Contains(err.Error(), "in clear") {
+		t.Errorf("kill with FORKD_URL=http://192.0.2.1:8889: %v", err)
+	}
 }

@@ -139,22 +139,7 @@ func Engine(t testing.TB) *sandbox.Engine { return EngineWith(t, nil) }
 // EngineWith is Engine with its configuration adjusted by tune (if set).
 func EngineWith(t testing.TB, tune func(*sandbox.Config)) *sandbox.Engine {
 	t.Helper()
-	dir := t.TempDir()
-	nm, cm, err := sandbox.HostIsolation(dir, slog.New(slog.NewTextHandler(testLog{t}, nil)))
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg := sandbox.Config{
-		Net:       nm,
-		Cgroups:   cm,
-		DataDir:   dir,
-		CacheDir:  CacheDir(t),
-		Backend:   Backend(t),
-		AgentPath: AgentBinary(t),
-		VMMUser:   VMMUser(),
-		Progress:  testLog{t},
-		Logger:    slog.New(slog.NewTextHandler(testLog{t}, nil)),
-	}
+	cfg := Config(t, t.TempDir())
 	if tune != nil {
 		tune(&cfg)
 	}
@@ -169,6 +154,28 @@ func EngineWith(t testing.TB, tune func(*sandbox.Config)) *sandbox.Engine {
 		e.Close()
 	})
 	return e
+}
+
+// Config returns the test configuration of an engine over data dir dir,
+// with the host isolation of that dir when running as root. Several
+// processes given the same dir share one data dir.
+func Config(t testing.TB, dir string) sandbox.Config {
+	t.Helper()
+	nm, cm, err := sandbox.HostIsolation(dir, slog.New(slog.NewTextHandler(testLog{t}, nil)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return sandbox.Config{
+		Net:       nm,
+		Cgroups:   cm,
+		DataDir:   dir,
+		CacheDir:  CacheDir(t),
+		Backend:   Backend(t),
+		AgentPath: AgentBinary(t),
+		VMMUser:   VMMUser(),
+		Progress:  testLog{t},
+		Logger:    slog.New(slog.NewTextHandler(testLog{t}, nil)),
+	}
 }
 
 // testLog writes progress into the test log.

@@ -13,6 +13,7 @@ import (
 	"github.com/forkd/forkd/internal/errdefs"
 	"github.com/forkd/forkd/internal/image"
 	"github.com/forkd/forkd/internal/sandbox"
+	"github.com/forkd/forkd/internal/server"
 	"github.com/forkd/forkd/internal/snapshot"
 )
 
@@ -27,11 +28,19 @@ func newFromImageCmd(g *globals) *cobra.Command {
 			if err := snapshot.ValidateTag(spec.Tag); err != nil {
 				return err
 			}
+			req := fromImageRequest(args[0], spec, opts)
 			if c, err := g.remote(cmd.Context()); err != nil {
 				return err
 			} else if c != nil {
 				defer c.Close()
-				return fromImageRemote(cmd.Context(), g, c, args[0], spec, opts)
+				return fromImageRemote(cmd.Context(), g, c, req)
+			}
+			// Everything is checked as the daemon would (but a local path
+			// may be anywhere: the import runs as the invoking user)
+			// before the import, which is long.
+			spec, oci, err := server.SnapshotSpec(&req, "")
+			if err != nil {
+				return err
 			}
 			e, err := g.engine()
 			if err != nil {
@@ -41,8 +50,7 @@ func newFromImageCmd(g *globals) *cobra.Command {
 			if _, err := e.Snapshots().Get(spec.Tag); err == nil {
 				return errdefs.AlreadyExists("snapshot %q already exists (forkd rmi %s to replace it)", spec.Tag, spec.Tag)
 			}
-			opts.Tag = spec.Tag
-			img, err := e.Images().FromOCI(cmd.Context(), args[0], opts)
+			img, err := e.Images().FromOCI(cmd.Context(), args[0], *oci)
 			if err != nil {
 				return err
 			}
@@ -67,25 +75,31 @@ func newFromImageCmd(g *globals) *cobra.Command {
 	return cmd
 }
 
-// fromImageRemote imports and snapshots the image in the daemon. A local
-// path is made absolute: the daemon has its own working directory.
-func fromImageRemote(ctx context.Context, g *globals, c *client.Client, ref string, spec sandbox.SnapshotSpec, opts image.OCIOptions) error {
-	if _, err := os.Stat(ref); err == nil {
-		if abs, err := filepath.Abs(ref); err == nil {
-			ref = abs
-		}
-	}
-	op, err := c.CreateSnapshot(ctx, apiv1.CreateSnapshotRequest{
+// fromImageRequest is the API request the flags make.
+func fromImageRequest(ref string, spec sandbox.SnapshotSpec, opts image.OCIOptions) apiv1.CreateSnapshotRequest {
+	return apiv1.CreateSnapshotRequest{
 		Tag: spec.Tag, MemoryMiB: spec.MemoryMiB, VCPUs: spec.VCPUs, Warmup: spec.Warmup,
 		OCI: &apiv1.OCISource{Ref: ref, Extra: opts.Extra, Preload: opts.Preload, Insecure: opts.Insecure},
-	})
+	}
+}
+
+// fromImageRemote imports and snapshots the image in the daemon. A local
+// path is made absolute: the daemon has its own working directory (and
+// takes only paths inside its --import-dir).
+func fromImageRemote(ctx context.Context, g *globals, c *client.Client, req apiv1.CreateSnapshotRequest) error {
+	if _, err := os.Stat(req.OCI.Ref); err == nil {
+		if abs, err := filepath.Abs(req.OCI.Ref); err == nil {
+			req.OCI.Ref = abs
+		}
+	}
+	op, err := c.CreateSnapshot(ctx, req)
 	if err != nil {
 		return err
 	}
-	fmt.Fprintf(g.stderr, "importing %s as %s in the daemon (operation %s)\n", ref, spec.Tag, op.ID)
+	fmt.Fprintf(g.stderr, "importing %s as %s in the daemon (operation %s)\n", req.OCI.Ref, req.Tag, op.ID)
 	if _, err := c.WaitOperation(ctx, op.ID); err != nil {
 		return err
 	}
-	fmt.Fprintln(g.stdout, spec.Tag)
+	fmt.Fprintln(g.stdout, req.Tag)
 	return nil
 }

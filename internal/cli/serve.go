@@ -29,7 +29,7 @@ type serveOptions struct {
 	maxParallel, maxPending     int
 	pool                        int
 	maxBody                     int64
-	auditLog                    string
+	auditLog, importDir         string
 	grace                       time.Duration
 }
 
@@ -65,6 +65,7 @@ missing). A non-loopback --listen needs TLS (--tls-cert/--tls-key) unless
 	f.IntVar(&o.pool, "pool", min(2*runtime.NumCPU(), maxServePool), fmt.Sprintf("VMMs kept parked (~16 MiB each) for each of the 4 snapshots forked most recently, 0 (none) to %d", maxServePool))
 	f.Int64Var(&o.maxBody, "max-body-bytes", 1<<20, "largest JSON request body, 1024 (1 KiB) to 67108864 (64 MiB)")
 	f.StringVar(&o.auditLog, "audit-log", "", `audit log, one JSON line per request (default <data-dir>/audit.log; "-" for stderr)`)
+	f.StringVar(&o.importDir, "import-dir", "", "the only directory whose tarballs and OCI layouts API callers may import (default <data-dir>/imports; other refs must be registry references)")
 	f.DurationVar(&o.grace, "shutdown-grace", 10*time.Second, "time requests in flight get to finish at shutdown, 0 to 1h")
 	return cmd
 }
@@ -112,6 +113,11 @@ func (o serveOptions) validate() error {
 	if o.grace < 0 || o.grace > maxServeGrace {
 		return errdefs.InvalidArgument("--shutdown-grace %v: want 0 to %v", o.grace, maxServeGrace)
 	}
+	if o.importDir != "" {
+		if st, err := os.Stat(o.importDir); err != nil || !st.IsDir() {
+			return errdefs.InvalidArgument("--import-dir %s: want an existing directory", o.importDir)
+		}
+	}
 	if o.listen != "" {
 		loopback, err := isLoopback(o.listen)
 		if err != nil {
@@ -136,6 +142,16 @@ func serve(ctx context.Context, g *globals, o serveOptions) error {
 		return err
 	}
 	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return err
+	}
+	importDir := o.importDir
+	if importDir == "" {
+		importDir = filepath.Join(dir, "imports")
+		if err := os.MkdirAll(importDir, 0o700); err != nil {
+			return err
+		}
+	}
+	if importDir, err = filepath.Abs(importDir); err != nil {
 		return err
 	}
 	var token []byte
@@ -197,6 +213,7 @@ func serve(ctx context.Context, g *globals, o serveOptions) error {
 		Expirer:      exp,
 		Token:        token,
 		MaxBodyBytes: o.maxBody,
+		ImportDir:    importDir,
 		Audit:        audit,
 		Logger:       log,
 		Version:      Version,

@@ -189,3 +189,24 @@ func TestDaemonTokenStaysLocal(t *testing.T) {
 		t.Errorf("kill with FORKD_URL=http://192.0.2.1:8889: %v", err)
 	}
 }
+
+// TestFromImageCheckedBeforeImport: from-image refuses a bad snapshot
+// shape or import option before it opens the data dir or reads the image.
+func TestFromImageCheckedBeforeImport(t *testing.T) {
+	tarball := filepath.Join(t.TempDir(), "img.tar")
+	os.WriteFile(tarball, []byte("not read"), 0o644)
+	checkRefused(t, []badArgs{
+		{[]string{"from-image", tarball, "--tag", "x", "--vcpus", "65"}, "vcpus = 65"},
+		{[]string{"from-image", tarball, "--tag", "x", "--vcpus", "-1"}, "vcpus = -1"},
+		{[]string{"from-image", tarball, "--tag", "x", "--mem-size-mib", "1"}, "memory_mib = 1"},
+		{[]string{"from-image", tarball, "--tag", "x", "--warmup", ""}, "warmup"},
+		{[]string{"from-image", tarball, "--tag", "x", "--extra", "--force-yes"}, `extra package name "--force-yes"`},
+		{[]string{"from-image", tarball, "--tag", "x", "--preload", "os; rm -rf /"}, "preload module"},
+		{[]string{"from-image", "UPPER/case::x", "--tag", "x"}, "image reference"},
+		{[]string{"from-image", tarball, "--tag", "../x"}, "tag"},
+	})
+	touched, err := runCLI(t, "from-image", tarball, "--tag", "python")
+	if !errdefs.IsAlreadyExists(err) || touched {
+		t.Errorf("from-image --tag python: %v (data dir made: %v), want a built-in name refused", err, touched)
+	}
+}

@@ -36,6 +36,53 @@ type OCIOptions struct {
 	// Preload are Python modules the warm interpreter imports; they need a
 	// python3 in the image.
 	Preload []string
+	// ImportDir, when set, confines local sources (tarballs, layouts) to
+	// this directory, symlinks resolved (oci.Locate); any other reference
+	// is a registry reference. Empty: any path the caller can read.
+	ImportDir string
+}
+
+// Bounds of OCI imports.
+const (
+	MaxRefLen        = 4096
+	MaxExtraPackages = 64
+)
+
+// ValidateOCIOptions checks an import of ref with o before anything is
+// done: the tag (a valid name, not a built-in image's), the extra
+// packages and preloaded modules, and the reference (well formed; a local
+// path inside o.ImportDir when set). It reads the file system (whether a
+// path exists) and nothing else. Errors are errdefs.ErrInvalidArgument,
+// errdefs.ErrAlreadyExists for a built-in name, errdefs.ErrNotFound for a
+// missing path.
+func ValidateOCIOptions(ref string, o OCIOptions) error {
+	if err := ValidateName(o.Tag); err != nil {
+		return err
+	}
+	registryMu.Lock()
+	_, builtin := registry[o.Tag]
+	registryMu.Unlock()
+	if builtin {
+		return errdefs.AlreadyExists("image name %s is taken by a built-in image", o.Tag)
+	}
+	if len(o.Extra) > MaxExtraPackages || len(o.Preload) > MaxExtraPackages {
+		return errdefs.InvalidArgument("at most %d extra packages and %d preloaded modules", MaxExtraPackages, MaxExtraPackages)
+	}
+	for _, p := range o.Extra {
+		if !deb.ValidName(p) {
+			return errdefs.InvalidArgument("extra package name %q is not valid", p)
+		}
+	}
+	for _, m := range o.Preload {
+		if !pyModuleRE.MatchString(m) {
+			return errdefs.InvalidArgument("preload module %q is not valid", m)
+		}
+	}
+	if len(ref) > MaxRefLen {
+		return errdefs.InvalidArgument("image reference is %d bytes long; the limit is %d", len(ref), MaxRefLen)
+	}
+	_, _, err := oci.Locate(ref, o.ImportDir)
+	return err
 }
 
 const recordFormat = 1
@@ -65,31 +112,12 @@ type record struct {
 // malformed reference, archive or layer is errdefs.ErrInvalidArgument. On
 // failure nothing of the import is left in the cache.
 func (b *Builder) FromOCI(ctx context.Context, ref string, o OCIOptions) (*Image, error) {
-	if err := ValidateName(o.Tag); err != nil {
+	if err := ValidateOCIOptions(ref, o); err != nil {
 		return nil, err
-	}
-	registryMu.Lock()
-	_, builtin := registry[o.Tag]
-	registryMu.Unlock()
-	if builtin {
-		return nil, errdefs.AlreadyExists("image name %s is taken by a built-in image", o.Tag)
 	}
 	extra := slices.Clone(o.Extra)
 	sort.Strings(extra)
 	extra = slices.Compact(extra)
-	for _, p := range extra {
-		if !deb.ValidName(p) {
-			return nil, errdefs.InvalidArgument("package name %q is not valid", p)
-		}
-	}
-	for _, m := range o.Preload {
-		if !pyModuleRE.MatchString(m) {
-			return nil, errdefs.InvalidArgument("preload module %q is not valid", m)
-		}
-	}
-	if ref == "" {
-		return nil, errdefs.InvalidArgument("empty image reference")
-	}
 	if err := b.check(); err != nil {
 		return nil, err
 	}
@@ -97,7 +125,7 @@ func (b *Builder) FromOCI(ctx context.Context, ref string, o OCIOptions) (*Image
 		return nil, errdefs.FailedPrecondition("importing an image needs root (file ownership)")
 	}
 	start := time.Now()
-	src, err := oci.Open(ctx, ref, oci.OpenOptions{Insecure: o.Insecure,
+	src, err := oci.Open(ctx, ref, oci.OpenOptions{Insecure: o.Insecure, Root: o.ImportDir,
 		Platform: v1.Platform{OS: "linux", Architecture: runtime.GOARCH}})
 	if err != nil {
 		return nil, err

@@ -50,6 +50,10 @@ type Config struct {
 	// OperationsDir keeps long-running operations (default
 	// <data>/operations).
 	OperationsDir string
+	// ImportDir is the one directory whose tarballs and OCI layouts
+	// snapshot requests may import (default <data>/imports); any other
+	// oci.ref must be a registry reference.
+	ImportDir string
 	// Audit receives one JSON line per request; nil discards.
 	Audit   io.Writer
 	Logger  *slog.Logger
@@ -104,6 +108,9 @@ func New(cfg Config) (*Server, error) {
 	}
 	if cfg.OperationsDir == "" {
 		cfg.OperationsDir = cfg.Engine.Config().DataDir + "/operations"
+	}
+	if cfg.ImportDir == "" {
+		cfg.ImportDir = cfg.Engine.Config().DataDir + "/imports"
 	}
 	if cfg.Token != nil {
 		if err := CheckToken(cfg.Token); err != nil {

@@ -1,6 +1,7 @@
 package server
 
 import (
+	"fmt"
 	"net/http"
 
 	apiv1 "github.com/forkd/forkd/api/v1"
@@ -12,9 +13,8 @@ import (
 
 // Bounds of snapshot requests.
 const (
-	maxExtraPackages = 64
-	maxWarmups       = 32
-	maxWarmupBytes   = 4096
+	maxWarmups     = 32
+	maxWarmupBytes = 4096
 )
 
 // viewSnapshot is a snapshot as the API shows it; refs is its number of
@@ -71,7 +71,24 @@ func (s *Server) deleteSnapshot(r *http.Request) (any, error) {
 	return nil, s.e.RemoveSnapshot(tag)
 }
 
-// snapshotSpec validates a create request.
+// SnapshotSpec validates a create request into a snapshot spec and, when
+// it imports an OCI image, the import's options. importDir confines local
+// image paths (image.OCIOptions.ImportDir; empty: anywhere, for the local
+// CLI only). Nothing is built or started.
+func SnapshotSpec(req *apiv1.CreateSnapshotRequest, importDir string) (sandbox.SnapshotSpec, *image.OCIOptions, error) {
+	spec, err := snapshotSpec(req)
+	if err != nil || req.OCI == nil {
+		return spec, nil, err
+	}
+	oci := &image.OCIOptions{Tag: spec.Tag, Extra: req.OCI.Extra, Preload: req.OCI.Preload, Insecure: req.OCI.Insecure,
+		ImportDir: importDir}
+	if err := image.ValidateOCIOptions(req.OCI.Ref, *oci); err != nil {
+		return spec, nil, fmt.Errorf("oci: %w", err)
+	}
+	return spec, oci, nil
+}
+
+// snapshotSpec validates a create request but its OCI source.
 func snapshotSpec(req *apiv1.CreateSnapshotRequest) (sandbox.SnapshotSpec, error) {
 	spec := sandbox.SnapshotSpec{Tag: req.Tag, Image: req.Image, MemoryMiB: req.MemoryMiB, VCPUs: req.VCPUs, Warmup: req.Warmup}
 	if err := snapshot.ValidateTag(spec.Tag); err != nil {
@@ -104,7 +121,7 @@ func snapshotSpec(req *apiv1.CreateSnapshotRequest) (sandbox.SnapshotSpec, error
 // 202 with the operation to poll. The build belongs to the daemon, not to
 // the request: it goes on when the caller leaves.
 func (s *Server) createSnapshot(r *http.Request, req *apiv1.CreateSnapshotRequest) (any, error) {
-	spec, err := snapshotSpec(req)
+	spec, oci, err := SnapshotSpec(req, s.cfg.ImportDir)
 	if err != nil {
 		return nil, err
 	}
@@ -114,16 +131,6 @@ func (s *Server) createSnapshot(r *http.Request, req *apiv1.CreateSnapshotReques
 	}
 	if spec.Network && s.e.Config().Net == nil {
 		return nil, errdefs.FailedPrecondition("network: this daemon cannot give children their own network namespaces (it does not run as root)")
-	}
-	var oci *image.OCIOptions
-	if req.OCI != nil {
-		if req.OCI.Ref == "" || len(req.OCI.Ref) > 4096 {
-			return nil, errdefs.InvalidArgument("oci.ref: want an image reference, tarball or layout path")
-		}
-		if len(req.OCI.Extra) > maxExtraPackages || len(req.OCI.Preload) > maxExtraPackages {
-			return nil, errdefs.InvalidArgument("oci: at most %d extra packages and %d preloaded modules", maxExtraPackages, maxExtraPackages)
-		}
-		oci = &image.OCIOptions{Tag: spec.Tag, Extra: req.OCI.Extra, Preload: req.OCI.Preload, Insecure: req.OCI.Insecure}
 	}
 	if _, err := s.e.Snapshots().Get(spec.Tag); err == nil {
 		return nil, errdefs.AlreadyExists("snapshot %q already exists", spec.Tag)

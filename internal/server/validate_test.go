@@ -2,6 +2,8 @@ package server
 
 import (
 	"math"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 
@@ -64,5 +66,46 @@ func TestForkLimitsChecked(t *testing.T) {
 	}
 	if list, err := d.e.State().List(); err != nil || len(list) != 0 {
 		t.Errorf("state after refused requests: %v %v", list, err)
+	}
+}
+
+// TestSnapshotImportChecked: an OCI import the build would refuse, or a
+// local path outside the import directory, is refused with the request,
+// before an operation starts.
+func TestSnapshotImportChecked(t *testing.T) {
+	imports := t.TempDir()
+	d := startDaemon(t, noVMs{}, sandbox.Limits{}, func(_ *sandbox.Config, c *Config) { c.ImportDir = imports })
+	outside := filepath.Join(t.TempDir(), "img.tar")
+	os.WriteFile(outside, []byte("x"), 0o644)
+	os.Symlink(outside, filepath.Join(imports, "link.tar"))
+	for _, c := range []struct {
+		body   string
+		status int
+		want   string
+	}{
+		{`{"tag":"x","oci":{"ref":"` + outside + `"}}`, 400, "outside the import directory"},
+		{`{"tag":"x","oci":{"ref":"/etc/passwd"}}`, 400, "outside the import directory"},
+		{`{"tag":"x","oci":{"ref":"docker-archive:/etc/shadow"}}`, 400, "outside"},
+		{`{"tag":"x","oci":{"ref":"oci:/"}}`, 400, "outside"},
+		{`{"tag":"x","oci":{"ref":"../../etc/passwd"}}`, 400, "outside"},
+		{`{"tag":"x","oci":{"ref":"link.tar"}}`, 400, "outside"},
+		{`{"tag":"x","oci":{"ref":"missing.tar"}}`, 404, "no such file"},
+		{`{"tag":"x","oci":{"ref":""}}`, 400, "empty image reference"},
+		{`{"tag":"x","oci":{"ref":"UPPER/case::x"}}`, 400, "image reference"},
+		{`{"tag":"x","oci":{"ref":"busybox","extra":["--force-yes"]}}`, 400, "extra package name"},
+		{`{"tag":"x","oci":{"ref":"busybox","preload":["os; rm -rf /"]}}`, 400, "preload module"},
+		{`{"tag":"python","oci":{"ref":"busybox"}}`, 409, "built-in image"},
+		{`{"tag":"a..b","oci":{"ref":"busybox"}}`, 400, "image name"},
+	} {
+		code, b := d.call(t, "POST", "/v1/snapshots", testToken, strings.NewReader(c.body))
+		if e := apiError(t, b); code != c.status || !strings.Contains(e.Message, c.want) {
+			t.Errorf("%s: %d %s, want %d and %q", c.body, code, b, c.status, c.want)
+		}
+	}
+	if code, b := d.call(t, "GET", "/v1/operations", testToken, nil); code != 200 || strings.Contains(string(b), `"id"`) {
+		t.Errorf("operations after refused imports: %d %s", code, b)
+	}
+	if ents, _ := os.ReadDir(filepath.Join(d.data, "snapshots")); len(ents) != 0 {
+		t.Errorf("snapshots after refused imports: %v", ents)
 	}
 }

@@ -41,6 +41,8 @@ type OpenOptions struct {
 	// Keychain authenticates to registries; nil means the Docker config
 	// (~/.docker/config.json, credential helpers).
 	Keychain authn.Keychain
+	// Root, when set, confines local sources to this directory (Locate).
+	Root string
 }
 
 // Kind says where an image came from.
@@ -69,39 +71,27 @@ type Source struct {
 //     reference that looks like a path (starts with "/", "./", "../", ends
 //     in ".tar") and names no file is errdefs.ErrNotFound.
 //
-// A reference to nothing is errdefs.ErrNotFound; a malformed reference,
-// tarball or layout, or an image for another platform, is
+// With o.Root set, local paths are confined to it (Locate). A reference to
+// nothing is errdefs.ErrNotFound; a malformed reference, tarball or layout,
+// a path outside o.Root, or an image for another platform, is
 // errdefs.ErrInvalidArgument; an unreachable registry is
 // errdefs.ErrUnavailable.
 func Open(ctx context.Context, ref string, o OpenOptions) (*Source, error) {
 	if o.Platform.OS == "" {
 		o.Platform = DefaultPlatform
 	}
-	var (
-		src *Source
-		err error
-	)
-	switch {
-	case strings.HasPrefix(ref, "oci:"):
-		src, err = openLayout(strings.TrimPrefix(ref, "oci:"), o.Platform)
-	case strings.HasPrefix(ref, "docker-archive:"):
-		src, err = openTarball(strings.TrimPrefix(ref, "docker-archive:"))
+	kind, path, err := Locate(ref, o.Root)
+	if err != nil {
+		return nil, err
+	}
+	var src *Source
+	switch kind {
+	case KindLayout:
+		src, err = openLayout(path, o.Platform)
+	case KindTarball:
+		src, err = openTarball(path)
 	default:
-		fi, serr := os.Stat(ref)
-		switch {
-		case serr == nil && fi.IsDir():
-			if _, err := os.Stat(filepath.Join(ref, "oci-layout")); err != nil {
-				return nil, errdefs.InvalidArgument("image %s: a directory without an oci-layout file", ref)
-			}
-			src, err = openLayout(ref, o.Platform)
-		case serr == nil:
-			src, err = openTarball(ref)
-		case strings.HasPrefix(ref, "/") || strings.HasPrefix(ref, "./") || strings.HasPrefix(ref, "../") ||
-			strings.HasSuffix(ref, ".tar") || strings.HasSuffix(ref, ".tar.gz"):
-			return nil, errdefs.NotFound("image %s: no such file", ref)
-		default:
-			src, err = openRemote(ctx, ref, o)
-		}
+		src, err = openRemote(ctx, ref, o)
 	}
 	if err != nil {
 		return nil, err
@@ -119,6 +109,96 @@ func Open(ctx context.Context, ref string, o OpenOptions) (*Source, error) {
 			o.Platform.OS, o.Platform.Architecture)
 	}
 	return src, nil
+}
+
+// Locate says what ref names, without opening it: its kind and, for a
+// tarball or layout, its path (see Open for the forms). A malformed
+// registry reference is errdefs.ErrInvalidArgument.
+//
+// With root empty, a path may be anywhere, relative to the working
+// directory. With root set, relative paths are taken inside root, and a
+// path that is outside root once cleaned and its symlinks resolved is
+// errdefs.ErrInvalidArgument, whether or not it exists; the path returned
+// is the resolved one. A reference that is not path-like and names nothing
+// in root is a registry reference.
+func Locate(ref, root string) (Kind, string, error) {
+	if ref == "" {
+		return "", "", errdefs.InvalidArgument("empty image reference")
+	}
+	var kind Kind
+	path, local := ref, false
+	switch {
+	case strings.HasPrefix(ref, "oci:"):
+		kind, path, local = KindLayout, strings.TrimPrefix(ref, "oci:"), true
+	case strings.HasPrefix(ref, "docker-archive:"):
+		kind, path, local = KindTarball, strings.TrimPrefix(ref, "docker-archive:"), true
+	case strings.HasPrefix(ref, "/") || strings.HasPrefix(ref, "./") || strings.HasPrefix(ref, "../") ||
+		strings.HasSuffix(ref, ".tar") || strings.HasSuffix(ref, ".tar.gz"):
+		local = true
+	}
+	if root != "" && (local || exists(filepath.Join(root, ref))) {
+		var err error
+		if path, err = confine(path, root); err != nil {
+			return "", "", err
+		}
+		local = true
+	}
+	if kind != "" {
+		return kind, path, nil
+	}
+	fi, err := os.Stat(path)
+	switch {
+	case err == nil && fi.IsDir():
+		if !exists(filepath.Join(path, "oci-layout")) {
+			return "", "", errdefs.InvalidArgument("image %s: a directory without an oci-layout file", ref)
+		}
+		return KindLayout, path, nil
+	case err == nil:
+		return KindTarball, path, nil
+	case local:
+		return "", "", errdefs.NotFound("image %s: no such file", ref)
+	}
+	if _, err := name.ParseReference(ref); err != nil {
+		return "", "", errdefs.InvalidArgument("image reference %q: %v", ref, err)
+	}
+	return KindRegistry, ref, nil
+}
+
+// confine resolves path (relative paths inside root) and checks that it
+// lies inside root. A path lexically outside root is refused before it is
+// looked at, so that the answer says nothing of what exists there.
+func confine(path, root string) (string, error) {
+	rroot, err := filepath.EvalSymlinks(root)
+	if err != nil {
+		return "", errdefs.FailedPrecondition("import directory %s: %v", root, err)
+	}
+	if !filepath.IsAbs(path) {
+		path = filepath.Join(root, path)
+	}
+	outside := errdefs.InvalidArgument("image path %s is outside the import directory %s: only paths inside it can be imported", path, root)
+	path = filepath.Clean(path)
+	if !within(path, root) && !within(path, rroot) {
+		return "", outside
+	}
+	resolved, err := filepath.EvalSymlinks(path)
+	if err != nil {
+		return "", errdefs.NotFound("image %s: no such file", path)
+	}
+	if !within(resolved, rroot) {
+		return "", outside
+	}
+	return resolved, nil
+}
+
+// within reports whether path is dir or inside it (both clean).
+func within(path, dir string) bool {
+	rel, err := filepath.Rel(filepath.Clean(dir), path)
+	return err == nil && rel != ".." && !strings.HasPrefix(rel, "../")
+}
+
+func exists(path string) bool {
+	_, err := os.Lstat(path)
+	return err == nil
 }
 
 func openRemote(ctx context.Context, ref string, o OpenOptions) (*Source, error) {

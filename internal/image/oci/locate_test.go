@@ -1,0 +1,73 @@
+package oci
+
+import (
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/forkd/forkd/internal/errdefs"
+)
+
+func TestLocateConfinesToRoot(t *testing.T) {
+	base := t.TempDir()
+	root := filepath.Join(base, "imports")
+	outside := filepath.Join(base, "secret")
+	for _, d := range []string{filepath.Join(root, "layout"), filepath.Join(outside, "layout")} {
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		os.WriteFile(filepath.Join(d, "oci-layout"), []byte(`{"imageLayoutVersion":"1.0.0"}`), 0o644)
+	}
+	os.WriteFile(filepath.Join(root, "img.tar"), []byte("x"), 0o644)
+	os.WriteFile(filepath.Join(outside, "img.tar"), []byte("x"), 0o644)
+	os.Symlink(filepath.Join(outside, "img.tar"), filepath.Join(root, "link.tar"))
+	os.Symlink(outside, filepath.Join(root, "linkdir"))
+	// A root reached through a symlink still confines.
+	rootLink := filepath.Join(base, "root-link")
+	os.Symlink(root, rootLink)
+
+	for _, c := range []struct {
+		ref, root string
+		kind      Kind
+		path      string // want, for success
+		is        func(error) bool
+		want      string
+	}{
+		{ref: "img.tar", root: root, kind: KindTarball, path: filepath.Join(root, "img.tar")},
+		{ref: filepath.Join(root, "img.tar"), root: root, kind: KindTarball, path: filepath.Join(root, "img.tar")},
+		{ref: "docker-archive:img.tar", root: root, kind: KindTarball, path: filepath.Join(root, "img.tar")},
+		{ref: "oci:layout", root: root, kind: KindLayout, path: filepath.Join(root, "layout")},
+		{ref: "layout", root: root, kind: KindLayout, path: filepath.Join(root, "layout")},
+		{ref: "img.tar", root: rootLink, kind: KindTarball, path: filepath.Join(root, "img.tar")},
+		{ref: "ubuntu:24.04", root: root, kind: KindRegistry, path: "ubuntu:24.04"},
+		{ref: "localhost:5000/a/b@sha256:" + strings.Repeat("a", 64), root: root, kind: KindRegistry},
+		{ref: filepath.Join(outside, "img.tar"), root: root, is: errdefs.IsInvalidArgument, want: "outside the import directory"},
+		{ref: "/etc/passwd", root: root, is: errdefs.IsInvalidArgument, want: "outside"},
+		{ref: "/nonexistent/x.tar", root: root, is: errdefs.IsInvalidArgument, want: "outside"},
+		{ref: "../secret/img.tar", root: root, is: errdefs.IsInvalidArgument, want: "outside"},
+		{ref: "oci:" + filepath.Join(outside, "layout"), root: root, is: errdefs.IsInvalidArgument, want: "outside"},
+		{ref: "docker-archive:/etc/shadow", root: root, is: errdefs.IsInvalidArgument, want: "outside"},
+		{ref: "oci:../secret/layout", root: root, is: errdefs.IsInvalidArgument, want: "outside"},
+		{ref: "link.tar", root: root, is: errdefs.IsInvalidArgument, want: "outside"},
+		{ref: "linkdir/layout", root: root, is: errdefs.IsInvalidArgument, want: "outside"},
+		{ref: "docker-archive:linkdir/img.tar", root: root, is: errdefs.IsInvalidArgument, want: "outside"},
+		{ref: "./missing.tar", root: root, is: errdefs.IsNotFound},
+		{ref: "UPPER/case::x", root: root, is: errdefs.IsInvalidArgument, want: "image reference"},
+		{ref: "", root: root, is: errdefs.IsInvalidArgument, want: "empty"},
+		// Without a root any path goes (the local CLI).
+		{ref: filepath.Join(outside, "img.tar"), kind: KindTarball, path: filepath.Join(outside, "img.tar")},
+		{ref: "oci:" + filepath.Join(outside, "layout"), kind: KindLayout, path: filepath.Join(outside, "layout")},
+	} {
+		kind, path, err := Locate(c.ref, c.root)
+		if c.is != nil {
+			if !c.is(err) || !strings.Contains(err.Error(), c.want) {
+				t.Errorf("Locate(%q, %q) = %s %s, %v; want %q", c.ref, c.root, kind, path, err, c.want)
+			}
+			continue
+		}
+		if err != nil || kind != c.kind || c.path != "" && path != c.path {
+			t.Errorf("Locate(%q, %q) = %s %s, %v; want %s %s", c.ref, c.root, kind, path, err, c.kind, c.path)
+		}
+	}
+}

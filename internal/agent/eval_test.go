@@ -214,3 +214,19 @@ func TestWaitReady(t *testing.T) {
 		t.Fatalf("WaitReady with a missing interpreter: %v", err)
 	}
 }
+
+// An eval whose result would not fit one message (1 MiB each of stdout,
+// stderr and value, escaped 6x in JSON) fails with a clear
+// resource-exhausted error instead of leaving the call waiting, and the
+// interpreter keeps serving.
+func TestEvalResultTooLargeForOneMessage(t *testing.T) {
+	c := evalGuest(t)
+	code := "import sys\ns = '<' * (1 << 20)\nsys.stdout.write(s)\nsys.stderr.write(s)\ns"
+	_, err := c.Eval(testCtx(t), proto.EvalRequest{Code: code, Timeout: 30 * time.Second})
+	if !errdefs.IsResourceExhausted(err) || !strings.Contains(err.Error(), "message limit") {
+		t.Fatalf("eval with a huge result = %v", err)
+	}
+	if res := mustEval(t, c, "len(s)"); res.Value != "1048576" {
+		t.Fatalf("after the huge result: %+v", res)
+	}
+}

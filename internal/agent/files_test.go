@@ -5,9 +5,11 @@ import (
 	"crypto/rand"
 	"crypto/sha256"
 	"errors"
+	"fmt"
 	"io"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 
 	"github.com/forkd/forkd/internal/agent/proto"
@@ -193,3 +195,30 @@ func TestFilePermissionDenied(t *testing.T) {
 }
 
 func second[T any](_ T, err error) error { return err }
+
+// A listing whose answer would not fit one message fails with a clear
+// resource-exhausted error instead of leaving the call waiting.
+func TestListDirTooLargeForOneMessage(t *testing.T) {
+	c := startGuest(t, guest.Config{}).dial()
+	ctx := testCtx(t)
+	dir := t.TempDir()
+	// JSON escapes '<' as \u003c: each entry's name and path cost over
+	// 2 KiB, so 8000 entries pass proto.MaxMessage well under the count limit.
+	long := strings.Repeat("<", 200)
+	for i := range 8000 {
+		if err := os.WriteFile(filepath.Join(dir, fmt.Sprintf("%s%05d", long, i)), nil, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	_, err := c.ListDir(ctx, dir, 1)
+	if !errdefs.IsResourceExhausted(err) || !strings.Contains(err.Error(), "bytes encoded") {
+		t.Fatalf("ListDir of a huge directory = %v", err)
+	}
+	// The session still works, and a smaller listing succeeds.
+	sub := filepath.Join(dir, "sub")
+	os.Mkdir(sub, 0o755)
+	os.WriteFile(filepath.Join(sub, "f"), nil, 0o644)
+	if entries, err := c.ListDir(ctx, sub, 1); err != nil || len(entries) != 1 {
+		t.Fatalf("ListDir after the failure = %v, %v", entries, err)
+	}
+}

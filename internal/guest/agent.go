@@ -386,7 +386,8 @@ func (c *conn) request(id uint32, msg []byte) {
 	}()
 }
 
-// finish sends the result and forgets the request.
+// finish sends the result and forgets the request. A result whose encoding
+// exceeds proto.MaxMessage is replaced by a ResourceExhausted error.
 func (r *request) finish(res any, err error) {
 	var out proto.Result
 	if err != nil {
@@ -400,6 +401,11 @@ func (r *request) finish(res any, err error) {
 		}
 	}
 	b, _ := json.Marshal(out)
+	if len(b) > proto.MaxMessage {
+		// The host would drop it and wait forever: say why instead.
+		big := errdefs.ResourceExhausted("%s: result of %d bytes encoded exceeds the %d-byte message limit", r.op, len(b), proto.MaxMessage)
+		b, _ = json.Marshal(proto.Result{Error: proto.ErrorOf(big)})
+	}
 	if err := r.sendMessage(proto.TypeResult, b); err != nil && !errors.Is(err, errStale) {
 		r.c.a.log.Warn("write result", "op", r.op, "id", r.id, "err", err)
 	}

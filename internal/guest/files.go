@@ -16,8 +16,13 @@ import (
 	"github.com/forkd/forkd/internal/errdefs"
 )
 
-// maxListEntries bounds one files.list answer.
-const maxListEntries = 100000
+const (
+	// maxListEntries bounds one files.list answer.
+	maxListEntries = 100000
+	// maxListBytes bounds one files.list answer's encoded entries, with
+	// room under proto.MaxMessage for the result's envelope.
+	maxListBytes = proto.MaxMessage - 64<<10
+)
 
 // pathError classes a file system error about path.
 func pathError(op, path string, err error) error {
@@ -259,6 +264,7 @@ func (a *Agent) fileList(ctx context.Context, r *request, args json.RawMessage) 
 		return nil, errdefs.InvalidArgument("list %s: not a directory", p)
 	}
 	entries := []proto.FileInfo{}
+	size := 0 // encoded size of entries
 	var walk func(dir string, level int) error
 	walk = func(dir string, level int) error {
 		if err := ctx.Err(); err != nil {
@@ -280,7 +286,16 @@ func (a *Agent) fileList(ctx context.Context, r *request, args json.RawMessage) 
 			if len(entries) >= maxListEntries {
 				return errdefs.ResourceExhausted("list %s: more than %d entries", p, maxListEntries)
 			}
-			entries = append(entries, fileInfo(child, info))
+			fi := fileInfo(child, info)
+			b, err := json.Marshal(fi)
+			if err != nil {
+				return errdefs.InvalidArgument("list %s: encode %s: %v", p, child, err)
+			}
+			if size += len(b) + 1; size > maxListBytes {
+				return errdefs.ResourceExhausted("list %s: entries exceed %d bytes encoded after %d entries; list less depth or a smaller directory",
+					p, maxListBytes, len(entries))
+			}
+			entries = append(entries, fi)
 			if de.IsDir() && level < depth {
 				if err := walk(child, level+1); err != nil {
 					return err

@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"syscall"
 	"time"
 
 	"github.com/spf13/cobra"
@@ -300,7 +301,11 @@ func listenUnix(path string) (net.Listener, error) {
 		}
 		os.Remove(path)
 	}
+	// The socket is born 0600: no moment in which another user could
+	// connect before a chmod (SO_PEERCRED would still refuse them).
+	old := syscall.Umask(0o177)
 	ln, err := net.Listen("unix", path)
+	syscall.Umask(old)
 	if err != nil {
 		return nil, fmt.Errorf("listen %s: %w", path, err)
 	}

@@ -100,6 +100,9 @@ func IsResourceExhausted(err error) bool { return errors.Is(err, ErrResourceExha
 // IsUnavailable reports whether err is of class ErrUnavailable.
 func IsUnavailable(err error) bool { return errors.Is(err, ErrUnavailable) }
 
+// IsUnauthenticated reports whether err is of class ErrUnauthenticated.
+func IsUnauthenticated(err error) bool { return errors.Is(err, ErrUnauthenticated) }
+
 // IsNotImplemented reports whether err is of class ErrNotImplemented.
 func IsNotImplemented(err error) bool { return errors.Is(err, ErrNotImplemented) }
 

@@ -147,8 +147,7 @@ func (e *Engine) Fork(ctx context.Context, spec ForkSpec) (*ForkResult, error) {
 	if len(errs) == 0 {
 		return res, nil
 	}
-	first := errs[0]
-	err = fmt.Errorf("%d of %d children failed: %w", len(errs), spec.N, first)
+	err = &BatchError{Failed: len(errs), N: spec.N, First: errs[0]}
 	if !spec.KeepPartial {
 		kctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Minute)
 		defer cancel()
@@ -333,3 +332,16 @@ func validateMetadata(md map[string]string) error {
 	}
 	return nil
 }
+
+// BatchError is a fork in which some children failed to come up; it
+// carries the first child's error (and its class).
+type BatchError struct {
+	Failed, N int
+	First     error
+}
+
+func (b *BatchError) Error() string {
+	return fmt.Sprintf("%d of %d children failed: %v", b.Failed, b.N, b.First)
+}
+
+func (b *BatchError) Unwrap() error { return b.First }

@@ -95,6 +95,10 @@ func (a *Admitter) reserve(n int) ([]string, error) {
 	if l.MaxSandboxes > 0 && n > l.MaxSandboxes {
 		return nil, errdefs.InvalidArgument("n = %d is over the daemon's limit of %d live sandboxes", n, l.MaxSandboxes)
 	}
+	if l.MaxPending > 0 && n > l.MaxPending {
+		// Never satisfiable: a 429 would invite retries that cannot succeed.
+		return nil, errdefs.InvalidArgument("n = %d is over the daemon's limit of %d restores in progress (--max-pending-restores)", n, l.MaxPending)
+	}
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	if l.MaxPending > 0 && len(a.reserved)+n > l.MaxPending {

@@ -88,9 +88,12 @@ func (s *Server) middleware(next http.Handler) http.Handler {
 		defer func() {
 			s.metrics.inFlight.Dec()
 			p := recover()
-			if p != nil && p != http.ErrAbortHandler {
+			cut := p == http.ErrAbortHandler
+			if p != nil && !cut {
 				s.log.Error("handler panic", "route", ri.route, "panic", p)
-				if !sw.wrote {
+				if sw.wrote {
+					cut = true // headers gone: the response is cut short
+				} else {
 					writeJSON(sw, http.StatusInternalServerError, map[string]any{"error": map[string]string{"code": "internal", "message": "internal error"}})
 				}
 			}
@@ -98,7 +101,7 @@ func (s *Server) middleware(next http.Handler) http.Handler {
 			if status == 0 {
 				status = http.StatusOK
 			}
-			if p != nil {
+			if cut {
 				status = 0 // cut short
 			}
 			lat := time.Since(start)

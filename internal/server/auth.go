@@ -171,6 +171,17 @@ func (s *Server) authenticate(r *http.Request) (caller string, err error) {
 		host = h
 	}
 	if s.tokenSum == nil {
+		// Without a token (--no-auth, loopback only) a web page in the
+		// user's browser is the threat: it can send simple cross-origin
+		// requests, and read answers after DNS rebinding. Browsers name
+		// their page in Origin and the site in Host; an API client does
+		// neither, and names a loopback host.
+		if o := r.Header.Get("Origin"); o != "" {
+			return "anonymous@" + host, errdefs.Unauthenticated("requests from web pages (Origin %q) are refused by a daemon without a token", o)
+		}
+		if !loopbackHost(r.Host) {
+			return "anonymous@" + host, errdefs.Unauthenticated("Host %q: a daemon without a token answers only requests for localhost or a loopback address", r.Host)
+		}
 		return "anonymous@" + host, nil
 	}
 	scheme, tok, ok := strings.Cut(r.Header.Get("Authorization"), " ")
@@ -182,4 +193,18 @@ func (s *Server) authenticate(r *http.Request) (caller string, err error) {
 		return "bad-token@" + host, errdefs.Unauthenticated("invalid bearer token")
 	}
 	return "token@" + host, nil
+}
+
+// loopbackHost reports whether an HTTP Host header (host or host:port)
+// names this machine: localhost or a loopback address.
+func loopbackHost(hostport string) bool {
+	h := hostport
+	if hh, _, err := net.SplitHostPort(hostport); err == nil {
+		h = hh
+	}
+	if strings.EqualFold(h, "localhost") {
+		return true
+	}
+	ip := net.ParseIP(strings.Trim(h, "[]"))
+	return ip != nil && ip.IsLoopback()
 }

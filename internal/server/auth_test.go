@@ -2,6 +2,7 @@ package server
 
 import (
 	"bytes"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"strings"
@@ -66,5 +67,33 @@ func TestLoadToken(t *testing.T) {
 	os.WriteFile(p, []byte("  "+testToken+"\n\n"), 0o600)
 	if got, _, err := LoadToken(p, false); err != nil || string(got) != testToken {
 		t.Errorf("spaced token: %q %v", got, err)
+	}
+}
+
+// A daemon without a token answers API clients on loopback, never a web
+// page (Origin) or a rebound DNS name (Host).
+func TestNoTokenRefusesBrowsers(t *testing.T) {
+	s := &Server{}
+	for _, c := range []struct {
+		host, origin string
+		ok           bool
+	}{
+		{"127.0.0.1:8889", "", true},
+		{"localhost:8889", "", true},
+		{"[::1]:8889", "", true},
+		{"127.0.0.1:8889", "http://evil.example", false},
+		{"127.0.0.1:8889", "null", false},
+		{"evil.example:8889", "", false},
+		{"10.0.0.5:8889", "", false},
+	} {
+		r := httptest.NewRequest("POST", "/v1/sandboxes", nil)
+		r.Host = c.host
+		if c.origin != "" {
+			r.Header.Set("Origin", c.origin)
+		}
+		_, err := s.authenticate(r)
+		if (err == nil) != c.ok || (err != nil && !errdefs.IsUnauthenticated(err)) {
+			t.Errorf("Host %q Origin %q: %v, want ok=%v", c.host, c.origin, err, c.ok)
+		}
 	}
 }

@@ -21,6 +21,11 @@ import (
 // keepOperations is how many finished operations are kept.
 const keepOperations = 200
 
+// maxRunningOperations bounds the operations running or queued at once
+// (snapshot builds run two at a time; the rest wait): beyond it a new one
+// is refused, so that callers cannot pile up unbounded work.
+const maxRunningOperations = 32
+
 // operations keeps long-running operations, one JSON file each in dir,
 // each change written atomically before it is visible.
 type operations struct {
@@ -80,10 +85,18 @@ var opIDEncoding = base32.NewEncoding("abcdefghijklmnopqrstuvwxyz234567").WithPa
 func (o *operations) start(kind, snapshot string) (apiv1.Operation, error) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
+	running := 0
 	for _, op := range o.ops {
-		if op.Status == apiv1.OperationRunning && op.Kind == kind && op.Snapshot == snapshot {
+		if op.Status != apiv1.OperationRunning {
+			continue
+		}
+		running++
+		if op.Kind == kind && op.Snapshot == snapshot {
 			return apiv1.Operation{}, errdefs.AlreadyExists("snapshot %q is being written by operation %s", snapshot, op.ID)
 		}
+	}
+	if running >= maxRunningOperations {
+		return apiv1.Operation{}, errdefs.ResourceExhausted("%d operations are running or queued (at most %d); try again when one has finished", running, maxRunningOperations)
 	}
 	var b [7]byte
 	rand.Read(b[:])
@@ -178,7 +191,8 @@ func (o *operations) prune() {
 		}
 	}
 	sort.Slice(done, func(i, j int) bool { return done[i].Created.Before(done[j].Created) })
-	for _, op := range done[:max(0, len(o.ops)-keepOperations)] {
+	// Running operations are never dropped, so fewer than the excess may go.
+	for _, op := range done[:min(len(done), max(0, len(o.ops)-keepOperations))] {
 		os.Remove(filepath.Join(o.dir, op.ID+".json"))
 		delete(o.ops, op.ID)
 	}

@@ -1,7 +1,9 @@
 package server
 
 import (
+	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"net/http"
 	"net/netip"
@@ -197,12 +199,31 @@ func (s *Server) createSandboxes(r *http.Request, req *apiv1.CreateSandboxesRequ
 	}
 	res, err := s.cfg.Admitter.Fork(r.Context(), spec)
 	if res == nil {
-		if errdefs.IsResourceExhausted(err) {
+		switch {
+		case errdefs.IsResourceExhausted(err):
 			s.metrics.rejected.Inc()
-		} else if err != nil && !errdefs.IsInvalidArgument(err) && !errdefs.IsNotFound(err) {
-			s.metrics.failed.Add(float64(spec.N))
+		default:
+			// A batch rolled back after restores failed; refusals before
+			// any restore (bad snapshot, not ready) count as nothing.
+			if b := (*sandbox.BatchError)(nil); errors.As(err, &b) {
+				s.metrics.failed.Add(float64(b.Failed))
+			}
 		}
 		return nil, err
+	}
+	if cerr := r.Context().Err(); cerr != nil {
+		// The caller left: nobody will learn these ids, so nobody would
+		// ever kill them. They go now.
+		kctx, cancel := context.WithTimeout(context.WithoutCancel(r.Context()), time.Minute)
+		defer cancel()
+		for _, c := range res.Children {
+			if c.Err == nil {
+				if kerr := s.e.Kill(kctx, c.ID); kerr != nil && !errdefs.IsNotFound(kerr) {
+					s.log.Warn("kill sandbox of a departed caller", "sandbox", c.ID, "err", kerr)
+				}
+			}
+		}
+		return nil, errdefs.Unavailable("the caller went away before the sandboxes were ready: %v", cerr)
 	}
 	out := apiv1.CreateSandboxesResponse{Sandboxes: []apiv1.Sandbox{}, WallMS: res.WallMS}
 	for _, c := range res.Children {

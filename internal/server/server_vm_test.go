@@ -274,6 +274,32 @@ func TestServerVM(t *testing.T) {
 		assertNoLeak(t, d)
 	})
 
+	t.Run("caller leaves", func(t *testing.T) {
+		// A caller that hangs up during a create never learns the ids, so
+		// the daemon must not keep the sandboxes.
+		for _, after := range []time.Duration{20 * time.Millisecond, 80 * time.Millisecond, 140 * time.Millisecond, 200 * time.Millisecond, 260 * time.Millisecond} {
+			cctx, cancel := context.WithTimeout(ctx, after)
+			res, err := c.CreateSandboxes(cctx, apiv1.CreateSandboxesRequest{SnapshotTag: "base", N: 2})
+			cancel()
+			t.Logf("hang-up after %v: %v", after, err)
+			if err == nil { // ready before the hang-up: the caller has them
+				for _, sb := range res.Sandboxes {
+					c.DeleteSandbox(ctx, sb.ID)
+				}
+			}
+			for deadline := time.Now().Add(time.Minute); ; time.Sleep(100 * time.Millisecond) {
+				if list, err := d.e.State().List(); err == nil && len(list) == 0 {
+					break
+				}
+				if time.Now().After(deadline) {
+					list, _ := d.e.State().List()
+					t.Fatalf("hang-up after %v: %d records still there after a minute", after, len(list))
+				}
+			}
+			assertNoLeak(t, d)
+		}
+	})
+
 	t.Run("delete snapshot", func(t *testing.T) {
 		if err := c.DeleteSnapshot(ctx, "base"); err != nil {
 			t.Fatal(err)

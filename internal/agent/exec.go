@@ -40,6 +40,10 @@ type ExecRequest struct {
 
 // Exec runs a process. A foreground call returns when the process has
 // ended and its output was delivered; ending ctx kills the process group.
+// Children a foreground process leaves behind in its group (`cmd &`) end
+// with it: output they write after it exits is still read for a short while
+// (about 2 s at most), then the group is killed. Start helpers that must
+// outlive the call as Background processes.
 func (c *Client) Exec(ctx context.Context, req ExecRequest) (*proto.ExecResult, error) {
 	wire := proto.ExecRequest{
 		Args: req.Args, Shell: req.Shell, Env: req.Env, Dir: req.Dir, User: req.User,

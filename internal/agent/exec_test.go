@@ -397,3 +397,33 @@ func TestBackgroundConnectLive(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// A foreground command's leftover children end with it: one that keeps
+// writing to the command's output neither holds the call open (the old
+// agent never returned) nor outlives it. A background process with such a
+// child still ends and can be waited for.
+func TestExecLeftoverChildrenEndWithCommand(t *testing.T) {
+	c := startGuest(t, guest.Config{}).dial()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	const script = "while :; do echo x; sleep .1; done & echo pid=$!"
+	var out safeBuffer
+	res, err := c.Exec(ctx, agent.ExecRequest{Shell: script, Stdout: &out, Timeout: time.Minute})
+	if err != nil || res.ExitCode != 0 || res.TimedOut {
+		t.Fatalf("exec with a writing grandchild = %+v, %v", res, err)
+	}
+	_, rest, ok := strings.Cut(out.String(), "pid=")
+	pid, perr := strconv.Atoi(strings.Fields(rest + " ")[0])
+	if !ok || perr != nil {
+		t.Fatalf("no grandchild pid in %q", out.String())
+	}
+	waitGone(t, pid, 10*time.Second)
+
+	bg, err := c.Exec(ctx, agent.ExecRequest{Shell: script, Background: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res, err := c.WaitProcess(ctx, bg.PID); err != nil || res.ExitCode != 0 {
+		t.Fatalf("wait for a background process with a writing child = %+v, %v", res, err)
+	}
+}

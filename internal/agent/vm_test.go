@@ -76,6 +76,15 @@ func TestAgentInVM(t *testing.T) {
 		t.Fatalf("child 1 sees child 0's file: %q", got)
 	}
 
+	// A foreground command's leftover child that keeps writing neither
+	// holds the call open nor outlives it.
+	left := sh(c0, "while :; do echo x; sleep .1; done & echo pid=$!")
+	_, rest, _ := strings.Cut(left, "pid=")
+	leftPID := strings.Fields(rest + " ")[0]
+	if got := sh(c0, "sleep 1; kill -0 "+leftPID+" 2>/dev/null && echo alive || echo gone"); got != "gone\n" {
+		t.Fatalf("leftover child %q of a foreground command: %q", leftPID, got)
+	}
+
 	// A file through the console, every byte value included.
 	data := make([]byte, 3<<20)
 	rand.Read(data)

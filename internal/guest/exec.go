@@ -22,6 +22,9 @@ const (
 	// drainGrace is how long output is still read after a process exits
 	// while its pipes stay open (a grandchild holding them) and idle.
 	drainGrace = 250 * time.Millisecond
+	// drainMax bounds how long output is read after a process exits, however
+	// busy a grandchild holding its pipes keeps them.
+	drainMax = 2 * time.Second
 	// ringSize is the recent output kept per stream of a background
 	// process.
 	ringSize = 64 << 10
@@ -219,15 +222,20 @@ func (a *Agent) startWithPipes(cmd *command, wantStdin bool) (int, <-chan exitSt
 }
 
 // pump copies f to out until EOF, or, once exited is closed, until f stays
-// idle for drainGrace. Errors from out stop the copying but not the
-// draining, so the writer never blocks on a full pipe.
+// idle for drainGrace or drainMax has passed. Errors from out stop the
+// copying but not the draining, so the writer never blocks on a full pipe.
 func pump(f *os.File, exited <-chan struct{}, out func([]byte) error) {
 	buf := make([]byte, chunkSize)
 	failed := false
+	var stopAt time.Time // zero until exited is seen
 	for {
 		select {
 		case <-exited:
-			f.SetReadDeadline(time.Now().Add(drainGrace))
+			now := time.Now()
+			if stopAt.IsZero() {
+				stopAt = now.Add(drainMax)
+			}
+			f.SetReadDeadline(minTime(now.Add(drainGrace), stopAt))
 		default:
 		}
 		n, err := f.Read(buf)
@@ -238,6 +246,13 @@ func pump(f *os.File, exited <-chan struct{}, out func([]byte) error) {
 			return
 		}
 	}
+}
+
+func minTime(a, b time.Time) time.Time {
+	if a.Before(b) {
+		return a
+	}
+	return b
 }
 
 // result builds an ExecResult from a wait status.
@@ -310,7 +325,7 @@ func (a *Agent) exec(ctx context.Context, r *request, args json.RawMessage) (any
 	close(exited)
 	std.stdout.SetReadDeadline(time.Now().Add(drainGrace))
 	std.stderr.SetReadDeadline(time.Now().Add(drainGrace))
-	wg.Wait()
+	drainLeftovers(&wg, pid, start, req.Timeout, ctx.Done())
 	stopFeed()
 	std.stdout.Close()
 	std.stderr.Close()
@@ -323,6 +338,35 @@ func (a *Agent) exec(ctx context.Context, r *request, args json.RawMessage) (any
 		return nil, errdefs.Unavailable("exec: cancelled")
 	}
 	return res, nil
+}
+
+// drainLeftovers waits for a foreground process's output pumps once the
+// process itself has exited, then kills what is left of its process group:
+// a foreground command's background children (`cmd &`) end with it; only
+// processes started as background processes, or that left the group, live
+// on. The pumps stop within drainMax; the timeout, measured from start, or
+// cancel kills the group sooner.
+func drainLeftovers(wg *sync.WaitGroup, pid int, start time.Time, timeout time.Duration, cancel <-chan struct{}) {
+	drained := make(chan struct{})
+	go func() {
+		wg.Wait()
+		close(drained)
+	}()
+	var expire <-chan time.Time
+	if timeout > 0 {
+		t := time.NewTimer(time.Until(start.Add(timeout)))
+		defer t.Stop()
+		expire = t.C
+	}
+	select {
+	case <-drained:
+	case <-expire:
+	case <-cancel:
+	}
+	// pid was reaped but still names the group while members are left;
+	// signal only the group, never a pid that may have been reused.
+	syscall.Kill(-pid, syscall.SIGKILL)
+	<-drained
 }
 
 // feedStdin copies the host's stdin frames into w until the host's EOF,

@@ -168,6 +168,13 @@ func (m *Manager) Create(ctx context.Context, slot int, p Policy) (_ *Net, err e
 	if err := nc.Flush(); err != nil {
 		return nil, wrap(stepNSTable, err)
 	}
+	// With the table conntrack runs in the namespace; a TCP packet in the
+	// middle of a connection it never saw must not start one ("loose").
+	if err := inNetNS(n.NetNSPath, func() error {
+		return m.writeSysctl("net/netfilter/nf_conntrack_tcp_loose", "0")
+	}); err != nil {
+		return nil, wrap(stepNSTable, err)
+	}
 
 	if err := step(stepHostTable); err != nil {
 		return nil, err

@@ -4,8 +4,11 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net/netip"
 
 	"github.com/google/nftables"
+	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
 )
 
 // Destroy removes slot's network: its published ports, its host link (and
@@ -29,6 +32,10 @@ func (m *Manager) destroy(slot int) error {
 		m.unpublishWhere(func(p pub) bool { return p.slot == slot }),
 		deleteLink(n.HostLink),
 		deleteNamed(n.NetNSPath),
+		// The slot's address goes to the next child that takes the slot:
+		// the host's conntrack must not carry this child's connections
+		// over to it.
+		forgetHostFlows(n.ChildAddr, true),
 		m.dropHostIfUnused(),
 	}
 	m.mu.Lock()
@@ -120,4 +127,33 @@ func hostTableExists(c *nftables.Conn, prefix string) (bool, error) {
 		}
 	}
 	return false, nil
+}
+
+// forgetHostFlows deletes the host's conntrack entries of a child address:
+// the connections it opened (original source; masqueraded on the host)
+// and, with inbound, those made to it (reply source: published ports and
+// the host reaching it). A packet of a forgotten connection is then new,
+// and meets the rules for new packets.
+func forgetHostFlows(child netip.Addr, inbound bool) error {
+	h, err := netlink.NewHandle(unix.NETLINK_NETFILTER)
+	if err != nil {
+		return fmt.Errorf("conntrack: %w", err)
+	}
+	defer h.Close()
+	filters := []netlink.CustomConntrackFilter{}
+	kinds := []netlink.ConntrackFilterType{netlink.ConntrackOrigSrcIP}
+	if inbound {
+		kinds = append(kinds, netlink.ConntrackReplySrcIP)
+	}
+	for _, k := range kinds {
+		f := &netlink.ConntrackFilter{}
+		if err := f.AddIP(k, child.AsSlice()); err != nil {
+			return err
+		}
+		filters = append(filters, f)
+	}
+	if _, err := h.ConntrackDeleteFilters(netlink.ConntrackTable, unix.AF_INET, filters...); err != nil {
+		return fmt.Errorf("forget connections of %s: %w", child, err)
+	}
+	return nil
 }

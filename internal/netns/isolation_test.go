@@ -106,6 +106,13 @@ func TestChildren(t *testing.T) {
 		// A private range is reachable once named.
 		check(Policy{Mode: ModeAllowlist, Allow: []Rule{{CIDR: netip.MustParsePrefix("192.168.250.0/24")}}}, false, true)
 		check(Policy{Mode: ModeAllow, Allow: []Rule{{CIDR: netip.PrefixFrom(privAddr, 32), Proto: "tcp", Ports: []PortRange{{80, 80}}}}}, true, true)
+		// A rule wider than a blocked range does not name it: "anything
+		// on port 80" is not the LAN (nor the metadata service).
+		anywhere := netip.MustParsePrefix("0.0.0.0/0")
+		check(Policy{Mode: ModeAllowlist, Allow: []Rule{{CIDR: anywhere}}}, true, false)
+		check(Policy{Mode: ModeAllowlist, Allow: []Rule{{CIDR: anywhere, Proto: "tcp", Ports: []PortRange{{80, 80}}}}}, true, false)
+		check(Policy{Mode: ModeAllow, Allow: []Rule{{CIDR: anywhere}}}, true, false)
+		check(Policy{Mode: ModeAllowlist, Allow: []Rule{{CIDR: anywhere}, {CIDR: netip.MustParsePrefix("192.168.0.0/16")}}}, true, true)
 		check(Policy{Mode: ModeAllow}, true, false)
 		// The other slots kept theirs.
 		expectGet(t, m.guestNS(1), ap(inetAddr, 80), inetNS)
@@ -129,6 +136,62 @@ func TestChildren(t *testing.T) {
 		fmt.Fprintf(conn, "GET / HTTP/1.0\r\n\r\n")
 		if b, err := bufio.NewReader(conn).ReadString('\n'); err == nil {
 			t.Fatalf("open connection still answered %q after deny", b)
+		}
+		if err := m.SetPolicy(ctx, 1, Policy{Mode: ModeAllow}); err != nil {
+			t.Fatal(err)
+		}
+
+		// A peer that speaks first (keep-alives, a C2 server) is cut too:
+		// its packets must not find the host's masquerade entry.
+		var l net.Listener
+		if err := inNetNS("/run/netns/"+inetNS, func() (err error) {
+			l, err = net.Listen("tcp4", ap(inetAddr, 81).String())
+			return err
+		}); err != nil {
+			t.Fatal(err)
+		}
+		defer l.Close()
+		go func() {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			defer c.Close()
+			for i := 0; i < 50; i++ {
+				if _, err := fmt.Fprintf(c, "tick %d\n", i); err != nil {
+					return
+				}
+				time.Sleep(100 * time.Millisecond)
+			}
+		}()
+		var push net.Conn
+		if err := inNetNS(m.guestNS(1), func() (err error) {
+			push, err = net.DialTimeout("tcp4", ap(inetAddr, 81).String(), 2*time.Second)
+			return err
+		}); err != nil {
+			t.Fatal(err)
+		}
+		defer push.Close()
+		rd := bufio.NewReader(push)
+		push.SetDeadline(time.Now().Add(2 * time.Second))
+		if _, err := rd.ReadString('\n'); err != nil {
+			t.Fatalf("first push: %v", err)
+		}
+		if err := m.SetPolicy(ctx, 1, Policy{Mode: ModeDeny}); err != nil {
+			t.Fatal(err)
+		}
+		cut := time.Now()
+		var last time.Time
+		push.SetDeadline(time.Now().Add(2 * time.Second))
+		for {
+			if _, err := rd.ReadString('\n'); err != nil {
+				break
+			}
+			last = time.Now()
+		}
+		// What was in flight at the switch may still land; nothing later.
+		if d := last.Sub(cut); d > 500*time.Millisecond {
+			t.Fatalf("pushes from the peer still arrived %v after deny", d)
 		}
 		if err := m.SetPolicy(ctx, 1, Policy{Mode: ModeAllow}); err != nil {
 			t.Fatal(err)

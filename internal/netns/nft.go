@@ -3,6 +3,7 @@ package netns
 import (
 	"encoding/binary"
 	"net/netip"
+	"slices"
 	"sync"
 
 	"github.com/google/nftables"
@@ -217,7 +218,19 @@ func addEgressRules(c *nftables.Conn, t *nftables.Table, children netip.Prefix, 
 	// Never another child, whatever the allow rules say (the host table
 	// enforces it again).
 	rule(matchAddr(false, children), []expr.Any{goTo(chainRefuse)})
-	for _, r := range p.Allow {
+	// In every mode the Blocked ranges are refused unless a rule names
+	// them, that is lies inside one: "0.0.0.0/0:tcp:443" allows the web,
+	// not the metadata service or the LAN. So the rules naming blocked
+	// networks come first, then the refusal of the blocked ranges, then
+	// the other rules.
+	named, rest := splitNamed(p.Allow)
+	for _, r := range slices.Concat(named, []Rule{{}}, rest) {
+		if !r.CIDR.IsValid() {
+			for _, b := range Blocked {
+				rule(matchAddr(false, b), []expr.Any{goTo(chainRefuse)})
+			}
+			continue
+		}
 		dst := matchAddr(false, r.CIDR)
 		var ps []string
 		switch {
@@ -242,13 +255,25 @@ func addEgressRules(c *nftables.Conn, t *nftables.Table, children netip.Prefix, 
 		}
 	}
 	if p.Mode == ModeAllow {
-		for _, b := range Blocked {
-			rule(matchAddr(false, b), []expr.Any{goTo(chainRefuse)})
-		}
 		rule([]expr.Any{accept()})
 		return
 	}
 	rule([]expr.Any{goTo(chainRefuse)})
+}
+
+// splitNamed separates the rules that name a blocked network (lie inside
+// one of Blocked) from the others.
+func splitNamed(rules []Rule) (named, rest []Rule) {
+	for _, r := range rules {
+		if slices.ContainsFunc(Blocked, func(b netip.Prefix) bool {
+			return b.Overlaps(r.CIDR) && r.CIDR.Bits() >= b.Bits()
+		}) {
+			named = append(named, r)
+		} else {
+			rest = append(rest, r)
+		}
+	}
+	return named, rest
 }
 
 // --- the host table

@@ -19,7 +19,8 @@ const (
 	ModeAllow Mode = "allow"
 	// ModeDeny lets the guest start no connection at all.
 	ModeDeny Mode = "deny"
-	// ModeAllowlist lets the guest reach only what its Allow rules name.
+	// ModeAllowlist lets the guest reach only what its Allow rules name
+	// (Blocked ranges only when a rule lies inside them).
 	ModeAllowlist Mode = "allowlist"
 )
 
@@ -95,10 +96,11 @@ func (r PortRange) validate() error {
 	return nil
 }
 
-// Blocked are the ranges ModeAllow refuses unless an Allow rule names
-// them: "this network", RFC 1918, shared address space (100.64/10),
-// loopback, link-local (cloud metadata at 169.254.169.254), IETF protocol
-// assignments, benchmarking, multicast, reserved and broadcast.
+// Blocked are the ranges every mode refuses unless an Allow rule names
+// them (lies inside one; 0.0.0.0/0 names none): "this network", RFC 1918,
+// shared address space (100.64/10), loopback, link-local (cloud metadata
+// at 169.254.169.254), IETF protocol assignments, Azure's host endpoint,
+// benchmarking, multicast, reserved and broadcast.
 var Blocked = []netip.Prefix{
 	netip.MustParsePrefix("0.0.0.0/8"),
 	netip.MustParsePrefix("10.0.0.0/8"),
@@ -107,6 +109,7 @@ var Blocked = []netip.Prefix{
 	netip.MustParsePrefix("169.254.0.0/16"),
 	netip.MustParsePrefix("172.16.0.0/12"),
 	netip.MustParsePrefix("192.0.0.0/24"),
+	netip.MustParsePrefix("168.63.129.16/32"),
 	netip.MustParsePrefix("192.168.0.0/16"),
 	netip.MustParsePrefix("198.18.0.0/15"),
 	netip.MustParsePrefix("224.0.0.0/4"),

@@ -274,5 +274,10 @@ func (m *Manager) SetPolicy(ctx context.Context, slot int, p Policy) error {
 	if _, err := h.ConntrackDeleteFilters(netlink.ConntrackTable, unix.AF_INET, f); err != nil {
 		return fmt.Errorf("set policy of slot %d: forget guest connections: %w", slot, err)
 	}
+	// And on the host, where the guest's connections are masqueraded: a
+	// remote peer that speaks first must not find its entry still there.
+	if err := forgetHostFlows(m.netFor(slot).ChildAddr, false); err != nil {
+		return fmt.Errorf("set policy of slot %d: %w", slot, err)
+	}
 	return nil
 }

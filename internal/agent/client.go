@@ -30,8 +30,13 @@ import (
 	"github.com/forkd/forkd/internal/errdefs"
 )
 
-// helloInterval is how often Dial repeats its hello until acknowledged.
-const helloInterval = time.Second
+const (
+	// helloInterval is how often Dial repeats its hello until acknowledged.
+	helloInterval = time.Second
+	// maxQueuedEvents bounds the event bytes queued for one call and not
+	// yet consumed; the agent sends a few small events per call.
+	maxQueuedEvents = 1 << 20
+)
 
 // Options configures a Client.
 type Options struct {
@@ -59,12 +64,23 @@ type Client struct {
 }
 
 // call is one request in flight.
+//
+// readLoop counts what it queues against what the call granted: unacked
+// data bytes against proto.InitialWindow, event bytes against
+// maxQueuedEvents, and at most one result. A guest that exceeds them stops
+// the client, so a call's queue stays bounded whatever the guest sends.
 type call struct {
 	id     uint32
 	op     string
 	q      *proto.Queue[proto.Frame] // result, events and data from the guest, payloads owned
 	credit *proto.Credit             // for data sent to the guest
 	acked  int                       // consumed bytes not yet returned as credit; owner only
+	// unacked is data received and not yet returned as credit.
+	unacked atomic.Int64
+	// events is event bytes queued and not yet consumed.
+	events atomic.Int64
+	// result is set once a result is queued; readLoop only.
+	result bool
 }
 
 // Dial performs the hello handshake over conn, already connected to the
@@ -275,9 +291,34 @@ func (c *Client) readLoop(r *proto.Reader, nextSeq uint32) {
 			}
 			continue
 		}
+		if err := cl.admit(f); err != nil {
+			c.stop(err)
+			return
+		}
 		f.Payload = append([]byte(nil), f.Payload...)
 		cl.q.Push(f)
 	}
+}
+
+// admit counts a frame readLoop is about to queue for cl and fails when the
+// agent overran what the call allows.
+func (cl *call) admit(f proto.Frame) error {
+	switch f.Type {
+	case proto.TypeData:
+		if n := cl.unacked.Add(int64(len(f.Payload))); n > proto.InitialWindow {
+			return errdefs.Unavailable("agent %s: agent ignored the data window (%d bytes unacknowledged, window %d)", cl.op, n, proto.InitialWindow)
+		}
+	case proto.TypeEvent:
+		if n := cl.events.Add(int64(len(f.Payload))); n > maxQueuedEvents {
+			return errdefs.Unavailable("agent %s: agent flooded the call with %d bytes of events", cl.op, n)
+		}
+	case proto.TypeResult:
+		if cl.result {
+			return errdefs.Unavailable("agent %s: agent sent a second result", cl.op)
+		}
+		cl.result = true
+	}
+	return nil
 }
 
 // ackLoop returns connection credit to the agent, apart from readLoop so
@@ -368,6 +409,8 @@ func (c *Client) wait(ctx context.Context, cl *call, onData func(proto.Frame) er
 			return err
 		}
 		switch f.Type {
+		case proto.TypeEvent:
+			cl.events.Add(-int64(len(f.Payload)))
 		case proto.TypeData:
 			if onData != nil {
 				if err := onData(f); err != nil {
@@ -403,6 +446,7 @@ func (c *Client) consumed(cl *call, n int) {
 	}
 	inc := cl.acked
 	cl.acked = 0
+	cl.unacked.Add(-int64(inc))
 	c.w.WriteFrame(proto.Frame{Type: proto.TypeWindow, ID: cl.id, Payload: proto.WindowPayload(uint32(inc))})
 }
 

@@ -2,6 +2,7 @@ package agent_test
 
 import (
 	"context"
+	"encoding/json"
 	"io"
 	"net"
 	"os"
@@ -14,6 +15,7 @@ import (
 	"time"
 
 	"github.com/forkd/forkd/internal/agent"
+	"github.com/forkd/forkd/internal/agent/proto"
 	"github.com/forkd/forkd/internal/guest"
 	"github.com/forkd/forkd/internal/testutil"
 )
@@ -249,4 +251,48 @@ func waitGone(t *testing.T, pid int, within time.Duration) {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
+}
+
+// fakeGuest runs a scripted guest on the far end of a new connection: it
+// acknowledges hellos and hands each request to serve, in its own
+// goroutine. It models a broken or hostile agent; the frames it writes are
+// numbered like the agent's, and it ignores every window.
+func fakeGuest(t *testing.T, serve func(w *proto.Writer, id uint32, req proto.Request)) net.Conn {
+	t.Helper()
+	hostConn, guestConn := socketPair(t)
+	go func() {
+		r := proto.NewReader(guestConn)
+		w := proto.NewWriter(guestConn)
+		for {
+			f, err := r.Next()
+			if err != nil {
+				return
+			}
+			switch f.Type {
+			case proto.TypeHello:
+				var h proto.Hello
+				json.Unmarshal(f.Payload, &h)
+				w.WriteJSON(proto.TypeHelloAck, 0, proto.HelloAck{
+					Version: proto.ProtocolVersion, MinVersion: proto.MinProtocolVersion, Nonce: h.Nonce,
+				})
+			case proto.TypeRequest:
+				var req proto.Request
+				json.Unmarshal(f.Payload, &req)
+				go serve(w, f.ID, req)
+			}
+		}
+	}()
+	return hostConn
+}
+
+// blockingWriter takes nothing until release is closed, then everything.
+type blockingWriter struct {
+	release <-chan struct{}
+	n       atomic.Int64
+}
+
+func (b *blockingWriter) Write(p []byte) (int, error) {
+	<-b.release
+	b.n.Add(int64(len(p)))
+	return len(p), nil
 }

@@ -552,3 +552,54 @@ func TestMalformedRequests(t *testing.T) {
 		t.Fatalf("errors %v", got)
 	}
 }
+
+// A guest that ignores a call's data window, or floods it with events or
+// results, stops the client with an unavailable error instead of growing
+// the call's queue without bound while its caller is busy. (A call whose
+// first result was queued still returns it.)
+func TestHostileGuestOverrunsCall(t *testing.T) {
+	chunk := bytes.Repeat([]byte{'x'}, proto.GuestMaxPayload)
+	for _, tc := range []struct {
+		name, want string
+		gotResult  bool // the call's first result was queued before the flood
+		flood      func(w *proto.Writer, id uint32) error
+	}{
+		{"data", "ignored the data window", false, func(w *proto.Writer, id uint32) error {
+			return w.WriteFrame(proto.Frame{Type: proto.TypeData, Flags: uint16(proto.StreamStdout), ID: id, Payload: chunk})
+		}},
+		{"events", "events", false, func(w *proto.Writer, id uint32) error {
+			return w.WriteMessage(proto.TypeEvent, id, chunk)
+		}},
+		{"results", "second result", true, func(w *proto.Writer, id uint32) error {
+			return w.WriteMessage(proto.TypeResult, id, []byte(`{}`))
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			conn := fakeGuest(t, func(w *proto.Writer, id uint32, req proto.Request) {
+				// One byte of output holds the caller in its writer.
+				w.WriteFrame(proto.Frame{Type: proto.TypeData, Flags: uint16(proto.StreamStdout), ID: id, Payload: []byte("x")})
+				for range 4096 { // 64 MiB if nothing stops it
+					if tc.flood(w, id) != nil {
+						return
+					}
+				}
+			})
+			c, err := agent.Dial(testCtx(t), conn, agent.Options{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer c.Close()
+			out := &blockingWriter{release: c.Done()}
+			_, err = c.Exec(testCtx(t), agent.ExecRequest{Shell: "flood", Stdout: out})
+			if tc.gotResult && err != nil || !tc.gotResult && (!errdefs.IsUnavailable(err) || !strings.Contains(err.Error(), tc.want)) {
+				t.Fatalf("exec against a flooding guest = %v", err)
+			}
+			if c.Err() == nil || !strings.Contains(c.Err().Error(), tc.want) {
+				t.Fatalf("client stopped with %v", c.Err())
+			}
+			if n := out.n.Load(); n > proto.InitialWindow+proto.MaxPayload {
+				t.Fatalf("%d bytes delivered past a %d-byte window", n, proto.InitialWindow)
+			}
+		})
+	}
+}

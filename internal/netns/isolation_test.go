@@ -69,6 +69,10 @@ func TestChildren(t *testing.T) {
 	})
 	t.Run("egress allow", func(t *testing.T) {
 		expectGet(t, m.guestNS(1), ap(inetAddr, 80), inetNS)
+		// A process of the child's namespace itself (where the VMM runs)
+		// starts nothing out of it, whatever the guest may.
+		expectNoGet(t, m.netFor(1).NetNSPath, ap(inetAddr, 80), time.Second)
+		expectNoGet(t, m.netFor(1).NetNSPath, ap(privAddr, 80), time.Second)
 		// Host-side private ranges are refused by default.
 		expectNoGet(t, m.guestNS(1), ap(privAddr, 80), time.Second)
 		expectGet(t, "", ap(privAddr, 80), privNS)

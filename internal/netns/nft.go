@@ -20,6 +20,7 @@ const (
 	chainPost    = "postrouting"
 	chainForward = "forward"
 	chainInput   = "input"
+	chainOutput  = "output"
 	chainEgress  = "egress" // namespace: the policy; rewritten by SetPolicy
 	chainRefuse  = "refuse" // namespace: reject quickly (tcp reset / icmp)
 )
@@ -174,6 +175,8 @@ func addNSTable(c *nftables.Conn, prefix string, child netip.Addr, children neti
 		Hooknum: nftables.ChainHookForward, Priority: nftables.ChainPriorityFilter, Policy: pol(nftables.ChainPolicyDrop)})
 	in := c.AddChain(&nftables.Chain{Name: chainInput, Table: t, Type: nftables.ChainTypeFilter,
 		Hooknum: nftables.ChainHookInput, Priority: nftables.ChainPriorityFilter, Policy: pol(nftables.ChainPolicyAccept)})
+	out := c.AddChain(&nftables.Chain{Name: chainOutput, Table: t, Type: nftables.ChainTypeFilter,
+		Hooknum: nftables.ChainHookOutput, Priority: nftables.ChainPriorityFilter, Policy: pol(nftables.ChainPolicyAccept)})
 	refuse := c.AddChain(&nftables.Chain{Name: chainRefuse, Table: t})
 	c.AddChain(&nftables.Chain{Name: chainEgress, Table: t})
 
@@ -201,6 +204,15 @@ func addNSTable(c *nftables.Conn, prefix string, child netip.Addr, children neti
 	rule(in, matchIf(true, TapName, false, false), matchCtState(establishedOrRelated), []expr.Any{accept()})
 	rule(in, matchIf(true, TapName, false, false), matchL4(unix.IPPROTO_ICMP), []expr.Any{accept()})
 	rule(in, matchIf(true, TapName, false, false), []expr.Any{goTo(chainRefuse)})
+
+	// The VMM runs in the namespace but needs no network of its own (the
+	// tap is an fd): a process of the namespace may answer and talk to
+	// the guest, never start connections out of the veth, which would pass
+	// the egress policy by (a QEMU taken over by its guest).
+	rule(out, matchCtState(establishedOrRelated), []expr.Any{accept()})
+	rule(out, matchIf(false, TapName, false, false), []expr.Any{accept()})
+	rule(out, matchIf(false, "lo", false, false), []expr.Any{accept()})
+	rule(out, []expr.Any{&expr.Verdict{Kind: expr.VerdictDrop}})
 
 	rule(refuse, matchL4(unix.IPPROTO_TCP), []expr.Any{&expr.Reject{Type: unix.NFT_REJECT_TCP_RST}})
 	rule(refuse, []expr.Any{&expr.Reject{Type: unix.NFT_REJECT_ICMP_UNREACH, Code: 13}}) // ICMP_PKT_FILTERED: admin-prohibited

@@ -36,20 +36,31 @@ const (
 	// maxQueuedEvents bounds the event bytes queued for one call and not
 	// yet consumed; the agent sends a few small events per call.
 	maxQueuedEvents = 1 << 20
+	// DefaultWriteTimeout bounds one frame write when Options.WriteTimeout
+	// is zero.
+	DefaultWriteTimeout = 30 * time.Second
 )
 
 // Options configures a Client.
 type Options struct {
 	// Logger receives protocol anomalies at debug level; nil discards.
 	Logger *slog.Logger
+	// WriteTimeout bounds each frame write (DefaultWriteTimeout when zero).
+	// A guest that stops reading for longer stops the Client, so that no
+	// caller stays wedged behind a blocked write.
+	WriteTimeout time.Duration
 }
 
 // Client is a session with one guest agent. Safe for concurrent use.
 type Client struct {
-	conn net.Conn
-	w    *proto.Writer
-	log  *slog.Logger
-	ack  proto.HelloAck
+	conn         net.Conn
+	w            *proto.Writer // writes through connWriter
+	log          *slog.Logger
+	ack          proto.HelloAck
+	writeTimeout time.Duration
+	// writeCap, when non-zero, is a UnixNano deadline no write may pass
+	// (set by Close).
+	writeCap atomic.Int64
 
 	// owed is the connection credit (proto.ConnWindow) read but not yet
 	// returned to the agent; ackWake asks ackLoop to return it.
@@ -94,13 +105,17 @@ func Dial(ctx context.Context, conn net.Conn, opts Options) (*Client, error) {
 		log = slog.New(slog.DiscardHandler)
 	}
 	c := &Client{
-		conn:    conn,
-		w:       proto.NewWriter(conn),
-		log:     log,
-		calls:   map[uint32]*call{},
-		done:    make(chan struct{}),
-		ackWake: make(chan struct{}, 1),
+		conn:         conn,
+		log:          log,
+		writeTimeout: opts.WriteTimeout,
+		calls:        map[uint32]*call{},
+		done:         make(chan struct{}),
+		ackWake:      make(chan struct{}, 1),
 	}
+	if c.writeTimeout <= 0 {
+		c.writeTimeout = DefaultWriteTimeout
+	}
+	c.w = proto.NewWriter(connWriter{c})
 	var nb [16]byte
 	rand.Read(nb[:])
 	nonce := hex.EncodeToString(nb[:])
@@ -209,7 +224,7 @@ func (c *Client) Close() error {
 	stopped := c.err != nil
 	c.mu.Unlock()
 	if !stopped {
-		c.conn.SetWriteDeadline(time.Now().Add(time.Second))
+		c.writeCap.Store(time.Now().Add(time.Second).UnixNano())
 		for _, id := range pending {
 			if c.w.WriteFrame(proto.Frame{Type: proto.TypeCancel, ID: id}) != nil {
 				break
@@ -237,6 +252,25 @@ func (c *Client) stop(err error) {
 		cl.q.Close(err)
 		cl.credit.Close(err)
 	}
+}
+
+// connWriter writes to the connection with a deadline per write (one
+// frame: proto.Writer writes each whole). A failed write may have left a
+// partial frame on the stream, so it stops the client.
+type connWriter struct{ c *Client }
+
+func (w connWriter) Write(p []byte) (int, error) {
+	c := w.c
+	dl := time.Now().Add(c.writeTimeout)
+	if lim := c.writeCap.Load(); lim != 0 && dl.UnixNano() > lim {
+		dl = time.Unix(0, lim)
+	}
+	c.conn.SetWriteDeadline(dl)
+	n, err := c.conn.Write(p)
+	if err != nil {
+		c.stop(errdefs.Unavailable("agent connection lost: write: %v", err))
+	}
+	return n, err
 }
 
 // readLoop reads the agent's frames and dispatches them to calls; it never
@@ -339,8 +373,12 @@ func (c *Client) ackLoop() {
 	}
 }
 
-// start registers a call and sends its request.
-func (c *Client) start(op string, args any) (*call, error) {
+// start registers a call and sends its request. ctx is checked before the
+// request is written; the write itself is bounded by the write timeout.
+func (c *Client) start(ctx context.Context, op string, args any) (*call, error) {
+	if err := ctx.Err(); err != nil {
+		return nil, ctxError(op, err)
+	}
 	var raw json.RawMessage
 	if args != nil {
 		b, err := json.Marshal(args)
@@ -484,7 +522,7 @@ func (e *readError) Unwrap() error { return e.err }
 
 // do runs a call without data streams.
 func (c *Client) do(ctx context.Context, op string, args, out any) error {
-	cl, err := c.start(op, args)
+	cl, err := c.start(ctx, op, args)
 	if err != nil {
 		return err
 	}

@@ -49,7 +49,7 @@ func (c *Client) Exec(ctx context.Context, req ExecRequest) (*proto.ExecResult, 
 		Args: req.Args, Shell: req.Shell, Env: req.Env, Dir: req.Dir, User: req.User,
 		Stdin: req.Stdin != nil, Timeout: req.Timeout, Background: req.Background, Tag: req.Tag,
 	}
-	cl, err := c.start(proto.OpExec, wire)
+	cl, err := c.start(ctx, proto.OpExec, wire)
 	if err != nil {
 		return nil, err
 	}
@@ -146,7 +146,7 @@ func (c *Client) CloseStdin(ctx context.Context, pid int) error {
 // returns the process's result when it ends. Ending ctx detaches without
 // affecting the process.
 func (c *Client) ConnectProcess(ctx context.Context, pid int, stdout, stderr io.Writer) (*proto.ExecResult, error) {
-	cl, err := c.start(proto.OpProcessConnect, proto.ProcessRef{PID: pid})
+	cl, err := c.start(ctx, proto.OpProcessConnect, proto.ProcessRef{PID: pid})
 	if err != nil {
 		return nil, err
 	}
@@ -173,7 +173,7 @@ func (c *Client) EvalStream(ctx context.Context, req proto.EvalRequest, stdout, 
 		proto.EvalRequest
 		Stream bool `json:"stream,omitempty"`
 	}{req, stdout != nil || stderr != nil}
-	cl, err := c.start(proto.OpEval, wire)
+	cl, err := c.start(ctx, proto.OpEval, wire)
 	if err != nil {
 		return nil, err
 	}

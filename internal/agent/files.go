@@ -12,7 +12,7 @@ import (
 // ReadFile streams the guest file at path (absolute) into w and returns the
 // number of bytes written.
 func (c *Client) ReadFile(ctx context.Context, path string, w io.Writer) (int64, error) {
-	cl, err := c.start(proto.OpFileRead, proto.PathRequest{Path: path})
+	cl, err := c.start(ctx, proto.OpFileRead, proto.PathRequest{Path: path})
 	if err != nil {
 		return 0, err
 	}
@@ -31,7 +31,7 @@ func (c *Client) ReadFile(ctx context.Context, path string, w io.Writer) (int64,
 // permission bits (with setuid, setgid, sticky) apply; 0 keeps an existing
 // file's mode or gives 0644. It returns the number of bytes sent.
 func (c *Client) WriteFile(ctx context.Context, path string, r io.Reader, mode fs.FileMode) (int64, error) {
-	cl, err := c.start(proto.OpFileWrite, proto.WriteRequest{Path: path, Mode: modeBits(mode)})
+	cl, err := c.start(ctx, proto.OpFileWrite, proto.WriteRequest{Path: path, Mode: modeBits(mode)})
 	if err != nil {
 		return 0, err
 	}

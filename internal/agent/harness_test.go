@@ -296,3 +296,21 @@ func (b *blockingWriter) Write(p []byte) (int, error) {
 	b.n.Add(int64(len(p)))
 	return len(p), nil
 }
+
+// answerHello reads the next hello from r and answers it on w with ack,
+// the hello's nonce filled in.
+func answerHello(r *proto.Reader, w *proto.Writer, ack proto.HelloAck) error {
+	for {
+		f, err := r.Next()
+		if err != nil {
+			return err
+		}
+		if f.Type != proto.TypeHello {
+			continue
+		}
+		var h proto.Hello
+		json.Unmarshal(f.Payload, &h)
+		ack.Nonce = h.Nonce
+		return w.WriteJSON(proto.TypeHelloAck, 0, ack)
+	}
+}

@@ -115,17 +115,8 @@ func TestAgentRefusesNewerHost(t *testing.T) {
 // A host refuses an agent whose protocol it does not speak, naming both.
 func TestHostRefusesNewerAgent(t *testing.T) {
 	hostConn, agentConn := socketPair(t)
-	go func() {
-		r := proto.NewReader(agentConn)
-		f, err := r.Next()
-		if err != nil {
-			return
-		}
-		var h proto.Hello
-		json.Unmarshal(f.Payload, &h)
-		b, _ := json.Marshal(proto.HelloAck{Version: 7, MinVersion: 5, Nonce: h.Nonce, AgentVersion: "future"})
-		proto.NewWriter(agentConn).WriteMessage(proto.TypeHelloAck, 0, b)
-	}()
+	go answerHello(proto.NewReader(agentConn), proto.NewWriter(agentConn),
+		proto.HelloAck{Version: 7, MinVersion: 5, AgentVersion: "future"})
 	_, err := agent.Dial(testCtx(t), hostConn, agent.Options{})
 	if !errdefs.IsFailedPrecondition(err) || !strings.Contains(err.Error(), "host speaks v1") ||
 		!strings.Contains(err.Error(), "agent speaks v7 (accepts v5") {
@@ -601,5 +592,41 @@ func TestHostileGuestOverrunsCall(t *testing.T) {
 				t.Fatalf("%d bytes delivered past a %d-byte window", n, proto.InitialWindow)
 			}
 		})
+	}
+}
+
+// A guest that stops reading does not wedge the host: a write blocked past
+// the write timeout stops the client, and every call fails with an
+// unavailable error instead of waiting behind it.
+func TestGuestThatStopsReading(t *testing.T) {
+	hostConn, guestConn := socketPair(t)
+	// Acknowledge the hello, then never read again.
+	go answerHello(proto.NewReader(guestConn), proto.NewWriter(guestConn),
+		proto.HelloAck{Version: proto.ProtocolVersion, MinVersion: proto.MinProtocolVersion})
+	c, err := agent.Dial(testCtx(t), hostConn, agent.Options{WriteTimeout: 300 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	// Each call may send a window's worth (256 KiB) of file data: together
+	// far more than the socket buffers hold.
+	ctx := testCtx(t)
+	errs := make(chan error, 8)
+	for i := range 8 {
+		go func() {
+			_, err := c.WriteFile(ctx, fmt.Sprintf("/tmp/f%d", i), bytes.NewReader(make([]byte, 1<<20)), 0)
+			errs <- err
+		}()
+	}
+	for range 8 {
+		if err := <-errs; !errdefs.IsUnavailable(err) {
+			t.Fatalf("WriteFile to a guest that stopped reading = %v", err)
+		}
+	}
+	if c.Err() == nil || !strings.Contains(c.Err().Error(), "write") {
+		t.Fatalf("client stopped with %v", c.Err())
+	}
+	if _, err := c.Ping(ctx); !errdefs.IsUnavailable(err) {
+		t.Fatalf("Ping after the client stopped = %v", err)
 	}
 }

@@ -2,6 +2,7 @@ package agent_test
 
 import (
 	"bytes"
+	"encoding/json"
 	"strings"
 	"testing"
 	"time"
@@ -228,5 +229,50 @@ func TestEvalResultTooLargeForOneMessage(t *testing.T) {
 	}
 	if res := mustEval(t, c, "len(s)"); res.Value != "1048576" {
 		t.Fatalf("after the huge result: %+v", res)
+	}
+}
+
+// A host that returns no credit for an eval's streamed output does not
+// hold up the eval's timeout: the runaway cell is interrupted and its
+// result arrives, with no more streamed data than the window allowed.
+func TestEvalTimeoutWhileStreamBlocked(t *testing.T) {
+	cd := startGuest(t, guest.Config{Python: python(t), PythonDir: t.TempDir(), EvalGrace: time.Second})
+	h := newRawHost(t, cd.connect())
+	h.send(proto.TypeHello, 0, proto.Hello{Version: 1, MinVersion: 1, Nonce: "n"})
+	h.next(proto.TypeHelloAck)
+	args, _ := json.Marshal(struct {
+		proto.EvalRequest
+		Stream bool `json:"stream"`
+	}{proto.EvalRequest{Code: "while True: print('x' * 1000)", Timeout: time.Second}, true})
+	h.send(proto.TypeRequest, 1, proto.Request{Op: proto.OpEval, Args: args})
+	streamed := 0
+	var asm proto.Assembler
+	for {
+		// Return connection credit, never the call's data credit.
+		f := h.next(proto.TypeData, proto.TypeResult)
+		h.w.WriteFrame(proto.Frame{Type: proto.TypeWindow, Payload: proto.WindowPayload(uint32(proto.FrameCost(len(f.Payload))))})
+		if f.Type == proto.TypeData {
+			streamed += len(f.Payload)
+			continue
+		}
+		msg, ok, err := asm.Add(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !ok {
+			continue
+		}
+		var res proto.Result
+		var ev proto.EvalResult
+		if err := json.Unmarshal(msg, &res); err != nil || res.Error != nil || json.Unmarshal(res.Result, &ev) != nil {
+			t.Fatalf("result %.200s", msg)
+		}
+		if !ev.TimedOut || !ev.Truncated {
+			t.Fatalf("eval = timed out %v, truncated %v, error %+v", ev.TimedOut, ev.Truncated, ev.Error)
+		}
+		break
+	}
+	if streamed > proto.InitialWindow {
+		t.Fatalf("%d bytes streamed past a %d-byte window", streamed, proto.InitialWindow)
 	}
 }

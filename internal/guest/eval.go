@@ -33,7 +33,11 @@ func (in *interp) eval(ctx context.Context, r *request, req proto.EvalRequest, s
 		return nil, err
 	}
 	defer in.release()
-	call := &pyCall{r: r, ctx: ctx, stream: stream}
+	call := &pyCall{r: r, ctx: ctx}
+	if stream {
+		call.stream = newStreamer(ctx, r)
+		defer call.stream.close()
+	}
 	in.mu.Lock()
 	in.call = call
 	in.mu.Unlock()

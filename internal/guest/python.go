@@ -76,7 +76,7 @@ type pyMsg struct {
 type pyCall struct {
 	r         *request
 	ctx       context.Context
-	stream    bool
+	stream    *streamer // nil unless the host asked for streamed output
 	mu        sync.Mutex
 	stdout    strings.Builder // guarded by mu
 	stderr    strings.Builder // guarded by mu
@@ -96,8 +96,8 @@ func (c *pyCall) output(st proto.Stream, s string) {
 		b.WriteString(s)
 	}
 	c.mu.Unlock()
-	if c.stream {
-		c.r.sendData(c.ctx, st, []byte(s), false)
+	if c.stream != nil {
+		c.stream.write(st, s)
 	}
 }
 

@@ -39,6 +39,10 @@ const (
 	// DefaultWriteTimeout bounds one frame write when Options.WriteTimeout
 	// is zero.
 	DefaultWriteTimeout = 30 * time.Second
+	// maxSkipAfterHello bounds the bytes readLoop lets its Reader skip: the
+	// agent's stream is clean once it has answered, so skipped bytes mean a
+	// broken or hostile guest, and each may cost a CRC over a whole frame.
+	maxSkipAfterHello = 4 << 10
 )
 
 // Options configures a Client.
@@ -276,11 +280,17 @@ func (w connWriter) Write(p []byte) (int, error) {
 // readLoop reads the agent's frames and dispatches them to calls; it never
 // blocks on a call's consumer, so the connection credit it returns flows
 // whatever the callers do. A gap in the agent's sequence numbers (a
-// virtconsole dropped bytes) ends the client.
+// virtconsole dropped bytes), or more than maxSkipAfterHello bytes of
+// garbage, ends the client.
 func (c *Client) readLoop(r *proto.Reader, nextSeq uint32) {
 	var asm proto.Assembler
+	r.MaxSkipped = r.Skipped() + maxSkipAfterHello
 	for {
 		f, err := r.Next()
+		if errors.Is(err, proto.ErrSkipLimit) {
+			c.stop(errdefs.Unavailable("agent channel corrupt: more than %d bytes skipped after the handshake", maxSkipAfterHello))
+			return
+		}
 		if err != nil {
 			c.stop(errdefs.Unavailable("agent connection lost: %v", err))
 			return

@@ -630,3 +630,37 @@ func TestGuestThatStopsReading(t *testing.T) {
 		t.Fatalf("Ping after the client stopped = %v", err)
 	}
 }
+
+// Garbage after the handshake (here fake headers, each of which would cost
+// a CRC over a whole frame to reject) stops the client once a few KiB were
+// skipped.
+func TestGarbageAfterHandshakeStopsClient(t *testing.T) {
+	hostConn, guestConn := socketPair(t)
+	fake, _ := proto.AppendFrame(nil, proto.Frame{Type: proto.TypeData, ID: 1, Payload: make([]byte, proto.MaxPayload)})
+	go func() {
+		err := answerHello(proto.NewReader(guestConn), proto.NewWriter(guestConn),
+			proto.HelloAck{Version: proto.ProtocolVersion, MinVersion: proto.MinProtocolVersion})
+		if err != nil {
+			return
+		}
+		garbage := bytes.Repeat(fake[:proto.HeaderSize], 4096) // 96 KiB
+		for range 64 {
+			if _, err := guestConn.Write(garbage); err != nil {
+				return
+			}
+		}
+	}()
+	c, err := agent.Dial(testCtx(t), hostConn, agent.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	select {
+	case <-c.Done():
+	case <-testCtx(t).Done():
+		t.Fatal("client still running after garbage")
+	}
+	if err := c.Err(); !errdefs.IsUnavailable(err) || !strings.Contains(err.Error(), "skipped") {
+		t.Fatalf("client stopped with %v", err)
+	}
+}

@@ -226,3 +226,30 @@ func TestWriterNumbersAndCharges(t *testing.T) {
 		t.Fatalf("charged %v", charged)
 	}
 }
+
+// A stream of fake headers, each claiming a full payload that fails its
+// CRC, makes Next fail once MaxSkipped is passed instead of checksumming
+// the stream without end.
+func TestReaderSkipLimit(t *testing.T) {
+	fake := mustFrame(t, Frame{Type: TypeData, ID: 1, Payload: bytes.Repeat([]byte{'a'}, MaxPayload)})
+	fake[len(fake)-1] ^= 0xFF
+	var s []byte
+	for range 64 {
+		s = append(s, fake[:HeaderSize]...)
+	}
+	s = append(s, fake[HeaderSize:]...)
+	s = append(s, mustFrame(t, Frame{Type: TypeEvent, ID: 2})...)
+	r := NewReader(bytes.NewReader(s))
+	r.MaxSkipped = 100
+	if _, err := r.Next(); !errors.Is(err, ErrSkipLimit) {
+		t.Fatalf("Next over fake headers = %v, want ErrSkipLimit", err)
+	}
+	if r.Skipped() <= 100 || r.Skipped() > 200 {
+		t.Fatalf("skipped %d bytes before giving up", r.Skipped())
+	}
+	// Without a limit the same stream resynchronises on the real frame.
+	r = NewReader(bytes.NewReader(s))
+	if f, err := r.Next(); err != nil || f.ID != 2 {
+		t.Fatalf("Next without a limit = %+v, %v", f, err)
+	}
+}

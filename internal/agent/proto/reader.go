@@ -32,6 +32,11 @@ type deadliner interface {
 type Reader struct {
 	// PartialTimeout overrides DefaultPartialTimeout when positive.
 	PartialTimeout time.Duration
+	// MaxSkipped, when positive, makes Next fail with ErrSkipLimit once
+	// Skipped passes it. Each skipped byte may cost a CRC over a whole
+	// candidate frame, so a reader of a stream that should be clean (after
+	// a handshake) bounds the work a hostile peer can cause.
+	MaxSkipped uint64
 
 	r          io.Reader
 	dl         deadliner
@@ -56,6 +61,10 @@ func NewReader(r io.Reader) *Reader {
 	return rd
 }
 
+// ErrSkipLimit is returned by Next once more than MaxSkipped bytes were
+// skipped.
+var ErrSkipLimit = errors.New("too many bytes skipped while resynchronising")
+
 // Skipped returns how many bytes were discarded while resynchronising.
 func (r *Reader) Skipped() uint64 { return r.skipped }
 
@@ -68,9 +77,12 @@ func (r *Reader) partialTimeout() time.Duration {
 
 // Next returns the next valid frame. Its payload aliases the Reader's buffer
 // and is valid until the next call. Next returns an error only when the
-// underlying reader fails (io.EOF included).
+// underlying reader fails (io.EOF included) or with ErrSkipLimit.
 func (r *Reader) Next() (Frame, error) {
 	for {
+		if r.MaxSkipped > 0 && r.skipped > r.MaxSkipped {
+			return Frame{}, ErrSkipLimit
+		}
 		data := r.buf[r.start:r.end]
 		i := bytes.Index(data, Magic[:])
 		if i < 0 {

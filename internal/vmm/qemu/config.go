@@ -30,7 +30,23 @@ type machineConfig struct {
 	Argv []string `json:"argv"`
 }
 
+// decodeConfig reads a snapshot's machine config for a restore, which
+// needs this forkd to build the very argv the parent ran with.
 func decodeConfig(b []byte) (machineConfig, error) {
+	c, err := decodeShape(b)
+	if err != nil {
+		return c, err
+	}
+	if got := strings.Join(c.identityArgs(), " "); got != strings.Join(c.Argv, " ") {
+		return c, errdefs.FailedPrecondition("qemu machine identity changed since the snapshot was made:\n was %s\n now %s",
+			strings.Join(c.Argv, " "), got)
+	}
+	return c, nil
+}
+
+// decodeShape reads a machine config without the identity check: enough
+// to attach to a VM already running (started by an older forkd, say).
+func decodeShape(b []byte) (machineConfig, error) {
 	var c machineConfig
 	if err := json.Unmarshal(b, &c); err != nil {
 		return c, errdefs.InvalidArgument("qemu machine config: %v", err)
@@ -40,10 +56,6 @@ func decodeConfig(b []byte) (machineConfig, error) {
 	}
 	if c.MemoryMiB <= 0 || c.VCPUs <= 0 {
 		return c, errdefs.InvalidArgument("qemu machine config: bad shape %d MiB / %d vCPUs", c.MemoryMiB, c.VCPUs)
-	}
-	if got := strings.Join(c.identityArgs(), " "); got != strings.Join(c.Argv, " ") {
-		return c, errdefs.FailedPrecondition("qemu machine identity changed since the snapshot was made:\n was %s\n now %s",
-			strings.Join(c.Argv, " "), got)
 	}
 	return c, nil
 }

@@ -23,6 +23,15 @@ func TestIdentityArgsStable(t *testing.T) {
 	if err != nil || strings.Join(d.identityArgs(), " ") != want {
 		t.Fatalf("decode: %v", err)
 	}
+	// A config whose argv this forkd would not build again (an older
+	// forkd's): no restore from it, but a running VM still attaches.
+	c.Argv = append(c.Argv, "-old-option")
+	if _, err := decodeConfig(c.encode()); err == nil {
+		t.Fatal("restore from a changed identity accepted")
+	}
+	if _, err := decodeShape(c.encode()); err != nil {
+		t.Fatalf("attach to a VM of a changed identity: %v", err)
+	}
 }
 
 func TestInstanceArgs(t *testing.T) {

@@ -62,7 +62,7 @@ func (b *Backend) Attach(ctx context.Context, h vmm.Handle) (vmm.Machine, error)
 	if h.Backend != "qemu" {
 		return nil, errdefs.InvalidArgument("handle of backend %q given to qemu", h.Backend)
 	}
-	cfg, err := decodeConfig(h.Config)
+	cfg, err := decodeShape(h.Config)
 	if err != nil {
 		return nil, err
 	}

@@ -22,6 +22,7 @@ import (
 	"strings"
 	"sync"
 	"syscall"
+	"time"
 
 	"github.com/forkd/forkd/internal/errdefs"
 	"github.com/forkd/forkd/internal/netns"
@@ -110,22 +111,42 @@ func (b *Backend) Capabilities() vmm.Capabilities {
 
 var versionRE = regexp.MustCompile(`version (\d+\.\d+(\.\d+)?)`)
 
-// Version implements vmm.Backend.
+// Version implements vmm.Backend. The answer is asked once and kept for
+// the backend's life, so it does not depend on the first caller's ctx (a
+// request cancelled then must not fail every later boot): ctx only bounds
+// this caller's wait.
 func (b *Backend) Version(ctx context.Context) (string, error) {
-	b.verOnce.Do(func() {
-		out, err := exec.CommandContext(ctx, b.opts.Binary, "--version").Output()
-		if err != nil {
-			b.verErr = fmt.Errorf("qemu --version: %w", err)
-			return
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		b.verOnce.Do(b.askVersion)
+	}()
+	select {
+	case <-done:
+	case <-ctx.Done():
+		select {
+		case <-done: // answered meanwhile: an answer beats a cancel
+		default:
+			return "", ctx.Err()
 		}
-		m := versionRE.FindSubmatch(out)
-		if m == nil {
-			b.verErr = fmt.Errorf("qemu --version: unrecognised output %q", out)
-			return
-		}
-		b.version = string(m[1])
-	})
+	}
 	return b.version, b.verErr
+}
+
+func (b *Backend) askVersion() {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	out, err := exec.CommandContext(ctx, b.opts.Binary, "--version").Output()
+	if err != nil {
+		b.verErr = fmt.Errorf("qemu --version: %w", err)
+		return
+	}
+	m := versionRE.FindSubmatch(out)
+	if m == nil {
+		b.verErr = fmt.Errorf("qemu --version: unrecognised output %q", out)
+		return
+	}
+	b.version = string(m[1])
 }
 
 func (b *Backend) newConfig(ctx context.Context, spec vmm.BootSpec) (machineConfig, error) {

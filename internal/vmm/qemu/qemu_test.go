@@ -49,3 +49,18 @@ func probe(ctx context.Context, m vmm.Machine) error {
 		return err
 	}
 }
+
+// A caller whose ctx is already cancelled gets its error, and the version
+// is still asked and kept for the next callers.
+func TestVersionOutlivesACancelledCaller(t *testing.T) {
+	b := testvm.Backend(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	if _, err := b.Version(ctx); err == nil {
+		t.Log("version was answered before the cancel was seen")
+	}
+	v, err := b.Version(context.Background())
+	if err != nil || v == "" {
+		t.Fatalf("Version after a cancelled caller = %q, %v", v, err)
+	}
+}

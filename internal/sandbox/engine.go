@@ -81,9 +81,43 @@ type Engine struct {
 	restores chan struct{} // one token per restore in progress
 	pool     *pool         // nil without Config.Pool
 
-	mu    sync.Mutex               // guards conns, dials
+	mu    sync.Mutex               // guards conns, dials, ends
 	conns map[string]*agent.Client // daemon mode: one agent session per sandbox
 	dials map[string]*sync.Mutex   // daemon mode: serialises dials per sandbox
+	ends  map[string]*endLock      // serialises the ends of one sandbox (kill, reclaim)
+}
+
+// endLock is a mutex shared by the goroutines ending one sandbox.
+type endLock struct {
+	sync.Mutex
+	users int
+}
+
+// lockEnd serialises the goroutines that release sandbox id (a kill, the
+// expirer's reclaim): each re-reads the record under it, so none releases
+// what another already released — a slot number that a new child may
+// have taken since. It returns the unlock.
+func (e *Engine) lockEnd(id string) func() {
+	e.mu.Lock()
+	if e.ends == nil {
+		e.ends = map[string]*endLock{}
+	}
+	l := e.ends[id]
+	if l == nil {
+		l = &endLock{}
+		e.ends[id] = l
+	}
+	l.users++
+	e.mu.Unlock()
+	l.Lock()
+	return func() {
+		l.Unlock()
+		e.mu.Lock()
+		if l.users--; l.users == 0 {
+			delete(e.ends, id)
+		}
+		e.mu.Unlock()
+	}
 }
 
 // New opens the data dir.

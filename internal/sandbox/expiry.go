@@ -126,8 +126,12 @@ func (x *Expirer) pass(ctx context.Context) time.Time {
 
 // reclaim releases what a dead sandbox held (cgroup, network slot, run
 // dir); its record stays, marked dead (or oom), until it is deleted.
-func (x *Expirer) reclaim(sb *state.Sandbox) {
-	if sb.Handle.RunDir == "" {
+func (x *Expirer) reclaim(stale *state.Sandbox) {
+	// The record was read at the start of the pass; a kill may have
+	// released it (and a new child taken its slot) since.
+	defer x.e.lockEnd(stale.ID)()
+	sb, err := x.e.state.Get(stale.ID)
+	if err != nil || (sb.Status != state.StatusDead && sb.Status != state.StatusOOM) || sb.Handle.RunDir == "" {
 		return
 	}
 	if _, err := os.Stat(sb.Handle.RunDir); err != nil {

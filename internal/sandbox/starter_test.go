@@ -122,3 +122,31 @@ func TestUnknownIDsLeaveNoDialLock(t *testing.T) {
 		t.Fatalf("%d dial locks, %d clients left for unknown ids", len(e.dials), len(e.conns))
 	}
 }
+
+// The expirer's reclaim works from a record read at the start of its pass;
+// once a kill has released and removed that record, the stale copy must
+// release nothing (its slot may be a new child's by then).
+func TestStaleReclaimReleasesNothing(t *testing.T) {
+	e := fakeEngine(t)
+	dir := filepath.Join(e.runDir, "sb-deadaaaaaa")
+	os.MkdirAll(dir, 0o700)
+	sb := &state.Sandbox{ID: "sb-deadaaaaaa", Status: state.StatusDead, Handle: vmm.Handle{Backend: "fake", RunDir: dir}}
+	if err := e.state.Put(sb); err != nil {
+		t.Fatal(err)
+	}
+	stale := *sb
+	if err := e.Kill(context.Background(), sb.ID); err != nil {
+		t.Fatal(err)
+	}
+	// Something new where the dead sandbox's resources were.
+	os.MkdirAll(dir, 0o700)
+	NewExpirer(e).reclaim(&stale)
+	if _, err := os.Stat(dir); err != nil {
+		t.Fatalf("stale reclaim released what is no longer the dead sandbox's: %v", err)
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if len(e.ends) != 0 {
+		t.Fatalf("%d end locks left", len(e.ends))
+	}
+}

@@ -55,10 +55,14 @@ const (
 	LockFile     = "lock"
 )
 
-// FileRef names an input file and its content hash.
+// FileRef names an input file and its content hash. ID is its identity
+// when the snapshot was made; Commit records it for Rootfs only, the one
+// input a restore reads (kernel and initrd are in the saved memory), and
+// Snapshot.Verify checks it. Metadata from older forkd has none.
 type FileRef struct {
-	Path   string `json:"path,omitempty"`
-	SHA256 string `json:"sha256,omitempty"`
+	Path   string  `json:"path,omitempty"`
+	SHA256 string  `json:"sha256,omitempty"`
+	ID     *FileID `json:"id,omitempty"`
 }
 
 // Metadata is metadata.json.
@@ -77,6 +81,10 @@ type Metadata struct {
 	Rootfs         FileRef         `json:"rootfs,omitempty"`
 	MemoryMiB      int             `json:"memory_mib"`
 	VCPUs          int             `json:"vcpus"`
+	// MemoryBytes and StateBytes are the sizes of the memory and state
+	// files, set by Commit (0: not recorded, by an older forkd).
+	MemoryBytes int64 `json:"memory_bytes,omitempty"`
+	StateBytes  int64 `json:"state_bytes,omitempty"`
 	// Network: the machine has a NIC (configured as netns.GuestAddr), so
 	// every child gets its own network namespace.
 	Network     bool      `json:"network,omitempty"`
@@ -202,8 +210,8 @@ type Ref struct {
 // Close releases this process's copy of the reference.
 func (r *Ref) Close() error { return r.File.Close() }
 
-// Acquire takes a reference on a ready snapshot. It fails while the
-// snapshot is being removed.
+// Acquire takes a reference on a ready snapshot whose files pass
+// Snapshot.Verify. It fails while the snapshot is being removed.
 func (s *Store) Acquire(tag string) (*Snapshot, *Ref, error) {
 	snap, err := s.Get(tag)
 	if err != nil {
@@ -225,6 +233,10 @@ func (s *Store) Acquire(tag string) (*Snapshot, *Ref, error) {
 	if _, err := os.Stat(snap.LockPath()); err != nil {
 		f.Close()
 		return nil, nil, errdefs.NotFound("snapshot %q was removed", tag)
+	}
+	if err := snap.Verify(); err != nil {
+		f.Close()
+		return nil, nil, err
 	}
 	return snap, &Ref{File: f}, nil
 }

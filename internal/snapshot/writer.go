@@ -67,6 +67,10 @@ func (w *Writer) MemoryPath() string { return filepath.Join(w.dir, MemoryFile) }
 func (w *Writer) StatePath() string { return filepath.Join(w.dir, StateFile) }
 
 // Commit writes md (status ready) and moves the snapshot into place. It
+// records the sizes of the memory and state files and the identity of
+// md.Rootfs (see Snapshot.Verify); a caller that set md.Rootfs.ID (with
+// Identify, before the parent booted) has it checked instead, so that an
+// image replaced while the snapshot was made fails the commit. It
 // fails with an AlreadyExists-class error if another writer committed the
 // same tag first; the staging dir is then removed.
 func (w *Writer) Commit(md Metadata) (*Snapshot, error) {
@@ -84,6 +88,10 @@ func (w *Writer) Commit(md Metadata) (*Snapshot, error) {
 			w.Abort()
 			return nil, fmt.Errorf("snapshot %q: %w", w.tag, err)
 		}
+	}
+	if err := identifyInputs(&md, w.MemoryPath(), w.StatePath()); err != nil {
+		w.Abort()
+		return nil, fmt.Errorf("snapshot %q: %w", w.tag, err)
 	}
 	if err := fsutil.WriteJSON(filepath.Join(w.dir, MetadataFile), md, 0o600); err != nil {
 		w.Abort()

@@ -200,7 +200,7 @@ func (e *Engine) forkOne(ctx context.Context, snap *snapshot.Snapshot, spec Fork
 	rctx, cancel := context.WithTimeout(ctx, spec.ReadyTimeout)
 	defer cancel()
 	var err error
-	if pk := e.pool.take(snap.Tag, spec); pk != nil {
+	if pk := e.pool.take(snap, spec); pk != nil {
 		m, err = e.restoreParked(rctx, snap, spec, sb, pk)
 	} else {
 		m, err = e.restoreFresh(rctx, snap, spec, sb)
@@ -242,7 +242,12 @@ func (e *Engine) forkOne(ctx context.Context, snap *snapshot.Snapshot, spec Fork
 		sb.ExpiresAt = time.Now().Add(spec.Timeout).UTC()
 	}
 	sb.Starter = nil // running: the sandbox no longer belongs to this process
-	if err := e.stillStarting(id, func(r *state.Sandbox) { *r = *sb }); err != nil {
+	if err := e.stillStarting(id, func(r *state.Sandbox) {
+		if sb.ExpiresAt.IsZero() {
+			sb.ExpiresAt = r.ExpiresAt // set through the API while it started
+		}
+		*r = *sb
+	}); err != nil {
 		client.Close()
 		return fail(err)
 	}
@@ -292,7 +297,13 @@ func (e *Engine) prepareVMM(ctx context.Context, snap *snapshot.Snapshot, sb *st
 		isolated()
 		return vmm.ParkSpec{}, nil, err
 	}
-	_, ref, err := e.snaps.Acquire(snap.Tag)
+	cur, ref, err := e.snaps.Acquire(snap.Tag)
+	if err == nil && !sameSnapshot(cur, snap) {
+		// Removed and made again since this fork read it: its files are
+		// the new snapshot's, its machine, disk and network the old one's.
+		ref.Close()
+		err = errdefs.FailedPrecondition("snapshot %q was replaced while this fork waited; fork again", snap.Tag)
+	}
 	if err != nil {
 		isolated()
 		return vmm.ParkSpec{}, nil, err
@@ -345,3 +356,9 @@ func (b *BatchError) Error() string {
 }
 
 func (b *BatchError) Unwrap() error { return b.First }
+
+// sameSnapshot reports whether a and b are one snapshot, not two made
+// under one tag at different times.
+func sameSnapshot(a, b *snapshot.Snapshot) bool {
+	return a.Tag == b.Tag && a.Created.Equal(b.Created) && a.ContentHash == b.ContentHash
+}

@@ -9,6 +9,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/forkd/forkd/internal/proc"
 	"github.com/forkd/forkd/internal/snapshot"
 	"github.com/forkd/forkd/internal/state"
 	"github.com/forkd/forkd/internal/vmm"
@@ -28,6 +29,8 @@ type pool struct {
 	e    *Engine
 	size int // parked VMMs kept per snapshot
 
+	bg sync.WaitGroup // discards and drops running in the background
+
 	mu      sync.Mutex // guards the fields below
 	entries map[string][]*parkedVMM
 	filling map[string]chan struct{} // closed when tag's filler ends
@@ -40,8 +43,9 @@ const maxPoolTags = 4
 
 // parkedVMM is one pool entry.
 type parkedVMM struct {
-	p  vmm.Parked
-	sb *state.Sandbox
+	p    vmm.Parked
+	sb   *state.Sandbox
+	snap *snapshot.Snapshot // what it was parked for
 }
 
 func newPool(e *Engine, size int) *pool {
@@ -54,22 +58,34 @@ func newPool(e *Engine, size int) *pool {
 	return &pool{e: e, size: size, entries: map[string][]*parkedVMM{}, filling: map[string]chan struct{}{}}
 }
 
-// take returns a parked VMM for a child of tag, or nil (always for a
-// child with limits, and for a nil pool).
-func (p *pool) take(tag string, spec ForkSpec) *parkedVMM {
+// take returns a parked VMM for a child of snap, or nil (always for a
+// child with limits, and for a nil pool). A VMM parked for an earlier
+// snapshot of the same tag, or one that died while parked, is never
+// handed out (it is discarded, and the child restores from scratch).
+func (p *pool) take(snap *snapshot.Snapshot, spec ForkSpec) *parkedVMM {
 	if p == nil || spec.Limits != nil {
 		return nil
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	es := p.entries[tag]
-	if len(es) == 0 {
-		return nil
+	for es := p.entries[snap.Tag]; len(es) > 0; es = p.entries[snap.Tag] {
+		pk := es[len(es)-1]
+		p.entries[snap.Tag] = es[:len(es)-1]
+		if sameSnapshot(pk.snap, snap) && proc.Alive(pk.sb.Handle.Process) {
+			p.hits++
+			return pk
+		}
+		p.bg.Go(func() { p.discard(pk) })
 	}
-	pk := es[len(es)-1]
-	p.entries[tag] = es[:len(es)-1]
-	p.hits++
-	return pk
+	return nil
+}
+
+// dropLater drops the pools of tags in the background: a fork's answer
+// must not wait for another snapshot's VMMs to be discarded.
+func (p *pool) dropLater(tags []string) {
+	if len(tags) > 0 {
+		p.bg.Go(func() { p.dropTags(tags) })
+	}
 }
 
 // restoreParked turns pk into the child sb: its record takes the child's
@@ -125,13 +141,13 @@ func (p *pool) refill(snap *snapshot.Snapshot) {
 	p.recent = recent
 	if p.filling[snap.Tag] != nil {
 		p.mu.Unlock()
-		p.dropTags(evict)
+		p.dropLater(evict)
 		return
 	}
 	done := make(chan struct{})
 	p.filling[snap.Tag] = done
 	p.mu.Unlock()
-	p.dropTags(evict)
+	p.dropLater(evict)
 	go func() {
 		defer func() {
 			p.mu.Lock()
@@ -212,7 +228,7 @@ func (p *pool) park(snap *snapshot.Snapshot) (_ *parkedVMM, err error) {
 		pk.Discard(ctx)
 		return nil, err
 	}
-	return &parkedVMM{p: pk, sb: sb}, nil
+	return &parkedVMM{p: pk, sb: sb, snap: snap}, nil
 }
 
 // discard stops a parked VMM and releases what it holds.
@@ -281,12 +297,15 @@ func (p *pool) close() error {
 		tags = append(tags, t)
 	}
 	p.mu.Unlock()
-	return p.dropTags(tags)
+	err := p.dropTags(tags)
+	p.bg.Wait()
+	return err
 }
 
 // PrimePool parks up to size VMMs for snapshot tag and waits (until ctx
 // ends) until they are all parked. It gives an engine without
 // Config.Pool a pool; the benchmark uses it to time forks from parked VMMs.
+// Call it before forking from other goroutines: it may set the pool.
 func (e *Engine) PrimePool(ctx context.Context, tag string, size int) error {
 	snap, err := e.snaps.Get(tag)
 	if err != nil {

@@ -7,9 +7,11 @@ import (
 	"path/filepath"
 	"slices"
 	"testing"
+	"time"
 
 	"github.com/forkd/forkd/internal/errdefs"
 	"github.com/forkd/forkd/internal/proc"
+	"github.com/forkd/forkd/internal/snapshot"
 	"github.com/forkd/forkd/internal/state"
 	"github.com/forkd/forkd/internal/vmm"
 )
@@ -148,5 +150,49 @@ func TestStaleReclaimReleasesNothing(t *testing.T) {
 	defer e.mu.Unlock()
 	if len(e.ends) != 0 {
 		t.Fatalf("%d end locks left", len(e.ends))
+	}
+}
+
+// fakeParked is a parked VMM that records being discarded.
+type fakeParked struct {
+	h         vmm.Handle
+	discarded chan struct{}
+}
+
+func (f *fakeParked) Handle() vmm.Handle { return f.h }
+func (f *fakeParked) Restore(context.Context, vmm.RestoreSpec) (vmm.Machine, error) {
+	return nil, errdefs.NotImplemented("fake")
+}
+func (f *fakeParked) Discard(context.Context) error { close(f.discarded); return nil }
+
+// The pool hands out only a live VMM parked for this very snapshot: one
+// parked for an earlier snapshot of the tag, or one that died, is
+// discarded and the child restores from scratch.
+func TestPoolTakesOnlyLiveVMMsOfThisSnapshot(t *testing.T) {
+	e := fakeEngine(t)
+	p := &pool{e: e, size: 4, entries: map[string][]*parkedVMM{}, filling: map[string]chan struct{}{}}
+	now := time.Now()
+	snap := &snapshot.Snapshot{Metadata: snapshot.Metadata{Tag: "t", Created: now, ContentHash: "new"}}
+	older := &snapshot.Snapshot{Metadata: snapshot.Metadata{Tag: "t", Created: now.Add(-time.Hour), ContentHash: "old"}}
+	entry := func(s *snapshot.Snapshot, id proc.Identity) *parkedVMM {
+		f := &fakeParked{h: vmm.Handle{Process: id}, discarded: make(chan struct{})}
+		return &parkedVMM{p: f, sb: &state.Sandbox{ID: newID(), Handle: f.h}, snap: s}
+	}
+	live := sleeper(t)
+	good := entry(snap, live)
+	stale, dead := entry(older, live), entry(snap, gone(t))
+	p.entries["t"] = []*parkedVMM{good, stale, dead} // taken from the end
+	if got := p.take(snap, ForkSpec{}); got != good {
+		t.Fatalf("take = %+v, want the live VMM of this snapshot", got)
+	}
+	for _, pk := range []*parkedVMM{stale, dead} {
+		select {
+		case <-pk.p.(*fakeParked).discarded:
+		case <-time.After(10 * time.Second):
+			t.Fatalf("VMM parked for %s (pid %d) not discarded", pk.snap.ContentHash, pk.sb.Handle.Process.PID)
+		}
+	}
+	if got := p.take(snap, ForkSpec{}); got != nil {
+		t.Fatalf("take from an empty pool = %+v", got)
 	}
 }

@@ -13,6 +13,7 @@ import (
 	"github.com/google/go-containerregistry/pkg/v1/tarball"
 
 	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/image/oci/ocitest"
 )
 
 // processesIn returns the processes whose root or working directory is
@@ -101,7 +102,7 @@ func TestCancelExtra(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	dir := writeLayout(t, imageOf(t, layer))
+	dir := ocitest.Layout(t, ocitest.Image(t, layer))
 	if _, err := b.ensureKernel(context.Background()); err != nil {
 		t.Fatal(err)
 	}

@@ -40,6 +40,9 @@ type OCIOptions struct {
 	// this directory, symlinks resolved (oci.Locate); any other reference
 	// is a registry reference. Empty: any path the caller can read.
 	ImportDir string
+	// MaxBytes bounds the uncompressed bytes of the image's layers, all
+	// together; zero means oci.DefaultMaxBytes (64 GiB).
+	MaxBytes int64
 }
 
 // Bounds of OCI imports.
@@ -109,7 +112,9 @@ type record struct {
 // refused), o.Extra installed, a python3 looked for, and the tree written
 // to an ext4 image, cached by image digest and extra packages. It needs
 // root (file ownership). A missing image is errdefs.ErrNotFound; a
-// malformed reference, archive or layer is errdefs.ErrInvalidArgument. On
+// malformed reference, archive or layer, a layer whose content does not
+// match its digest, or an image past the bounds of oci.Unpack (layers,
+// entries, o.MaxBytes) is errdefs.ErrInvalidArgument. On
 // failure nothing of the import is left in the cache.
 func (b *Builder) FromOCI(ctx context.Context, ref string, o OCIOptions) (*Image, error) {
 	if err := ValidateOCIOptions(ref, o); err != nil {
@@ -148,7 +153,7 @@ func (b *Builder) FromOCI(ctx context.Context, ref string, o OCIOptions) (*Image
 			return err
 		}
 		defer t.Close()
-		if err := oci.Unpack(ctx, src.Image, t, oci.ApplyOptions{Ownership: true, Logger: b.log()}, b.Progress); err != nil {
+		if err := oci.Unpack(ctx, src.Image, t, oci.ApplyOptions{Ownership: true, Logger: b.log(), MaxBytes: o.MaxBytes}, b.Progress); err != nil {
 			return err
 		}
 		if err := rootfs.EnsureMountpoints(t); err != nil {

@@ -16,13 +16,12 @@ import (
 
 	"github.com/google/go-containerregistry/pkg/name"
 	v1 "github.com/google/go-containerregistry/pkg/v1"
-	"github.com/google/go-containerregistry/pkg/v1/empty"
-	"github.com/google/go-containerregistry/pkg/v1/layout"
 	"github.com/google/go-containerregistry/pkg/v1/mutate"
 	"github.com/google/go-containerregistry/pkg/v1/remote"
 	"github.com/google/go-containerregistry/pkg/v1/tarball"
 
 	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/image/oci/ocitest"
 	"github.com/forkd/forkd/internal/image/rootfs"
 	"github.com/forkd/forkd/internal/testutil"
 )
@@ -63,35 +62,6 @@ func tarBytes(t *testing.T, ents []tarEntry) []byte {
 	return b.Bytes()
 }
 
-func layerOf(t *testing.T, data []byte) v1.Layer {
-	t.Helper()
-	l, err := tarball.LayerFromOpener(func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(data)), nil })
-	if err != nil {
-		t.Fatal(err)
-	}
-	return l
-}
-
-func imageOf(t *testing.T, layers ...v1.Layer) v1.Image {
-	t.Helper()
-	img, err := mutate.AppendLayers(empty.Image, layers...)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cf, err := img.ConfigFile()
-	if err != nil {
-		t.Fatal(err)
-	}
-	cf = cf.DeepCopy()
-	cf.OS, cf.Architecture = "linux", "amd64"
-	cf.Config.Cmd = []string{"/bin/sh"}
-	img, err = mutate.ConfigFile(img, cf)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return img
-}
-
 // busyboxImage is a two-layer image: a busybox root, then a layer with
 // whiteouts, an opaque directory and a (fake) python3.
 func busyboxImage(t *testing.T) v1.Image {
@@ -126,7 +96,7 @@ func busyboxImage(t *testing.T) v1.Image {
 		{name: "usr/bin/python3", data: []byte("#!/bin/sh\necho fake python\n"), mode: 0o755},
 		{name: "var/run/through-abs-symlink", data: []byte("in /run")},
 	}
-	return imageOf(t, layerOf(t, tarBytes(t, l1)), layerOf(t, tarBytes(t, l2)))
+	return ocitest.Image(t, ocitest.Layer(t, tarBytes(t, l1)), ocitest.Layer(t, tarBytes(t, l2)))
 }
 
 func push(t *testing.T, img v1.Image, ref string) {
@@ -148,19 +118,6 @@ func writeTarball(t *testing.T, img v1.Image) string {
 		t.Fatal(err)
 	}
 	return p
-}
-
-func writeLayout(t *testing.T, img v1.Image) string {
-	t.Helper()
-	dir := filepath.Join(t.TempDir(), "layout")
-	p, err := layout.Write(dir, empty.Index)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := p.AppendImage(img, layout.WithPlatform(v1.Platform{OS: "linux", Architecture: "amd64"})); err != nil {
-		t.Fatal(err)
-	}
-	return dir
 }
 
 func requireImport(t *testing.T) {
@@ -207,14 +164,14 @@ func TestFromOCI(t *testing.T) {
 	// One image per kind of source (a marker layer tells them apart), so
 	// each import really flattens its layers.
 	marked := func(kind string) v1.Image {
-		img, err := mutate.AppendLayers(busyboxImage(t), layerOf(t, tarBytes(t, []tarEntry{{name: "source", data: []byte(kind)}})))
+		img, err := mutate.AppendLayers(busyboxImage(t), ocitest.Layer(t, tarBytes(t, []tarEntry{{name: "source", data: []byte(kind)}})))
 		if err != nil {
 			t.Fatal(err)
 		}
 		return img
 	}
 	push(t, marked("registry"), addr+"/forkd/busybox:v1")
-	layoutDir := writeLayout(t, marked("layout"))
+	layoutDir := ocitest.Layout(t, marked("layout"))
 	sources := map[string]string{
 		"registry": addr + "/forkd/busybox:v1",
 		"tarball":  writeTarball(t, marked("tarball")),
@@ -312,17 +269,31 @@ func TestFromOCIErrors(t *testing.T) {
 
 	garbage := filepath.Join(t.TempDir(), "garbage.tar")
 	os.WriteFile(garbage, bytes.Repeat([]byte("not a docker save tarball "), 100), 0o644)
-	evilDir := writeLayout(t, imageOf(t, layerOf(t, tarBytes(t, []tarEntry{
+	evilDir := ocitest.Layout(t, ocitest.Image(t, ocitest.Layer(t, tarBytes(t, []tarEntry{
 		{name: "ok", data: []byte("fine")},
 		{name: "../../../../tmp/forkd-evil", data: []byte("escaped")},
 	}))))
-	absDir := writeLayout(t, imageOf(t, layerOf(t, tarBytes(t, []tarEntry{{name: "/etc/forkd-evil", data: []byte("x")}}))))
+	absDir := ocitest.Layout(t, ocitest.Image(t, ocitest.Layer(t, tarBytes(t, []tarEntry{{name: "/etc/forkd-evil", data: []byte("x")}}))))
 	noLayout := t.TempDir()
 	arm, err := mutate.ConfigFile(busyboxImage(t), &v1.ConfigFile{OS: "linux", Architecture: "arm64"})
 	if err != nil {
 		t.Fatal(err)
 	}
-	armDir := writeLayout(t, arm)
+	armDir := ocitest.Layout(t, arm)
+	// A layout whose layer blob was swapped for another well-formed layer,
+	// the manifest unchanged.
+	tampered := ocitest.Image(t, ocitest.Layer(t, tarBytes(t, []tarEntry{{name: "etc/motd", data: []byte("good")}})))
+	tamperedDir := ocitest.Layout(t, tampered)
+	tl, _ := tampered.Layers()
+	td, _ := tl[0].Digest()
+	evil, err := ocitest.Layer(t, tarBytes(t, []tarEntry{{name: "etc/motd", data: []byte("evil")}})).Compressed()
+	if err != nil {
+		t.Fatal(err)
+	}
+	evilBlob, _ := io.ReadAll(evil)
+	if err := os.WriteFile(filepath.Join(tamperedDir, "blobs", td.Algorithm, td.Hex), evilBlob, 0o644); err != nil {
+		t.Fatal(err)
+	}
 
 	for _, c := range []struct {
 		name, ref string
@@ -342,7 +313,8 @@ func TestFromOCIErrors(t *testing.T) {
 		{"bad tag", evilDir, OCIOptions{Tag: "../x"}, errdefs.IsInvalidArgument},
 		{"builtin tag", evilDir, OCIOptions{Tag: "python"}, errdefs.IsAlreadyExists},
 		{"bad extra", evilDir, OCIOptions{Tag: "e11", Extra: []string{"--force-yes"}}, errdefs.IsInvalidArgument},
-		{"extra on non-Debian", writeLayout(t, busyboxImage(t)), OCIOptions{Tag: "e12", Extra: []string{"file"}}, errdefs.IsFailedPrecondition},
+		{"tampered layer", tamperedDir, OCIOptions{Tag: "e13"}, errdefs.IsInvalidArgument},
+		{"extra on non-Debian", ocitest.Layout(t, busyboxImage(t)), OCIOptions{Tag: "e12", Extra: []string{"file"}}, errdefs.IsFailedPrecondition},
 	} {
 		_, err := b.FromOCI(ctx, c.ref, c.opts)
 		if !c.is(err) {
@@ -475,7 +447,7 @@ func TestFromOCIExtra(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	dir := writeLayout(t, imageOf(t, layer))
+	dir := ocitest.Layout(t, ocitest.Image(t, layer))
 
 	// A package that does not exist: NotFound, nothing left, nothing mounted.
 	before := snapshotCache(t, cache)

@@ -2,7 +2,12 @@ package oci
 
 import (
 	"archive/tar"
+	"bufio"
+	"bytes"
+	"compress/gzip"
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"io"
@@ -13,6 +18,7 @@ import (
 	"time"
 
 	v1 "github.com/google/go-containerregistry/pkg/v1"
+	"github.com/klauspost/compress/zstd"
 	"golang.org/x/sys/unix"
 
 	"github.com/forkd/forkd/internal/errdefs"
@@ -25,12 +31,72 @@ const (
 	whiteoutOpaque = ".wh..wh..opq"
 )
 
-// ApplyOptions tune ApplyLayer.
+// Default bounds of what an image may make Unpack do.
+const (
+	DefaultMaxBytes   = 64 << 30 // uncompressed layer bytes, all layers together
+	DefaultMaxEntries = 2_000_000
+	MaxLayers         = 256
+	MaxMetadata       = 8 << 20 // bytes of an index, manifest or config
+)
+
+// ApplyOptions tune ApplyLayer and Unpack.
 type ApplyOptions struct {
 	// Ownership applies the uid/gid of entries (needs root). Without it
 	// files belong to the caller and device nodes are skipped.
 	Ownership bool
 	Logger    *slog.Logger // nil means discard
+	// MaxBytes bounds the uncompressed tar bytes read (which bounds the
+	// bytes written), and MaxEntries the tar entries, over one ApplyLayer
+	// call or over all the layers of one Unpack; zero means
+	// DefaultMaxBytes and DefaultMaxEntries.
+	MaxBytes   int64
+	MaxEntries int64
+}
+
+// budget is what is left of ApplyOptions' bounds; Unpack shares one over
+// all layers.
+type budget struct {
+	bytes, entries       int64
+	maxBytes, maxEntries int64
+}
+
+func newBudget(o ApplyOptions) *budget {
+	b := &budget{maxBytes: o.MaxBytes, maxEntries: o.MaxEntries}
+	if b.maxBytes <= 0 {
+		b.maxBytes = DefaultMaxBytes
+	}
+	if b.maxEntries <= 0 {
+		b.maxEntries = DefaultMaxEntries
+	}
+	b.bytes, b.entries = b.maxBytes, b.maxEntries
+	return b
+}
+
+func (b *budget) tooLarge() error {
+	return errdefs.InvalidArgument("image is larger than the limit of %d uncompressed bytes", b.maxBytes)
+}
+
+// meteredReader reads from r and fails once b's bytes are spent.
+type meteredReader struct {
+	r io.Reader
+	b *budget
+}
+
+func (m *meteredReader) Read(p []byte) (int, error) {
+	if m.b.bytes <= 0 {
+		// Only an error if something is left to read.
+		var one [1]byte
+		if n, _ := io.ReadFull(m.r, one[:]); n > 0 {
+			return 0, m.b.tooLarge()
+		}
+		return 0, io.EOF
+	}
+	if int64(len(p)) > m.b.bytes {
+		p = p[:m.b.bytes]
+	}
+	n, err := m.r.Read(p)
+	m.b.bytes -= int64(n)
+	return n, err
 }
 
 // ApplyLayer applies one uncompressed layer (a tar stream) to t, as the OCI
@@ -43,8 +109,15 @@ type ApplyOptions struct {
 // it is written; every write is confined to t (see rootfs.Tree), so a
 // symlink planted by a layer can never redirect a later write outside. A
 // malformed tar is errdefs.ErrInvalidArgument. On error t holds part of
-// the layer; the caller discards it.
+// the layer; the caller discards it. Sparse entries, and a layer past
+// o.MaxBytes or o.MaxEntries, are errdefs.ErrInvalidArgument.
 func ApplyLayer(ctx context.Context, t *rootfs.Tree, r io.Reader, o ApplyOptions) error {
+	b := newBudget(o)
+	return applyLayer(ctx, t, &meteredReader{r: r, b: b}, o, b)
+}
+
+// applyLayer is ApplyLayer with r already metered against b.
+func applyLayer(ctx context.Context, t *rootfs.Tree, r io.Reader, o ApplyOptions, b *budget) error {
 	log := o.Logger
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
@@ -61,6 +134,15 @@ func ApplyLayer(ctx context.Context, t *rootfs.Tree, r io.Reader, o ApplyOptions
 		}
 		if err != nil {
 			return malformed(err)
+		}
+		if b.entries--; b.entries < 0 {
+			return errdefs.InvalidArgument("image has more than the limit of %d tar entries", b.maxEntries)
+		}
+		if sparse(hdr) {
+			return errdefs.InvalidArgument("layer entry %q refused: sparse files are not supported", hdr.Name)
+		}
+		if hdr.Size > b.bytes {
+			return b.tooLarge()
 		}
 		name, err := rootfs.Clean(hdr.Name)
 		if err != nil {
@@ -79,6 +161,20 @@ func ApplyLayer(ctx context.Context, t *rootfs.Tree, r io.Reader, o ApplyOptions
 			return errdefs.InvalidArgument("layer entry %s: %v", hdr.Name, err)
 		}
 	}
+}
+
+// sparse reports whether hdr is a GNU sparse file (old GNU or PAX form),
+// whose few stored bytes archive/tar expands to its declared size.
+func sparse(hdr *tar.Header) bool {
+	if hdr.Typeflag == tar.TypeGNUSparse {
+		return true
+	}
+	for k := range hdr.PAXRecords {
+		if strings.HasPrefix(k, "GNU.sparse.") {
+			return true
+		}
+	}
+	return false
 }
 
 func applyEntry(t *rootfs.Tree, tr *tar.Reader, hdr *tar.Header, name string, created map[string]bool, o ApplyOptions, log *slog.Logger) error {
@@ -260,32 +356,98 @@ func malformed(err error) error {
 
 // Unpack applies the layers of img in order to t. Progress lines (one per
 // layer) go to progress, which may be nil.
+//
+// Each layer is read to its end, its compressed bytes checked against its
+// digest and its uncompressed bytes against the config's diff_id: a
+// mismatch is errdefs.ErrInvalidArgument (t then holds part of the layer;
+// the caller discards it). More than MaxLayers layers, or layers past
+// o.MaxBytes or o.MaxEntries together, are errdefs.ErrInvalidArgument.
 func Unpack(ctx context.Context, img v1.Image, t *rootfs.Tree, o ApplyOptions, progress io.Writer) error {
 	layers, err := img.Layers()
 	if err != nil {
 		return errdefs.InvalidArgument("image layers: %v", err)
 	}
+	if len(layers) > MaxLayers {
+		return errdefs.InvalidArgument("image has %d layers; the limit is %d", len(layers), MaxLayers)
+	}
+	b := newBudget(o)
 	for i, l := range layers {
-		d, _ := l.Digest()
-		size, _ := l.Size()
-		if progress != nil {
-			fmt.Fprintf(progress, "  layer %d/%d %s (%.1f MB)\n", i+1, len(layers), short(d), float64(size)/1e6)
-		}
-		rc, err := l.Uncompressed()
-		if err != nil {
-			return classify(d.String(), err, "")
-		}
-		err = ApplyLayer(ctx, t, rc, o)
-		cerr := rc.Close()
-		if err != nil {
-			return fmt.Errorf("layer %d (%s): %w", i+1, short(d), err)
-		}
-		if cerr != nil {
-			// Closing verifies the digest for some sources.
-			return errdefs.InvalidArgument("layer %d (%s): %v", i+1, short(d), cerr)
+		if err := unpackLayer(ctx, l, t, o, b, func(d v1.Hash, size int64) {
+			if progress != nil {
+				fmt.Fprintf(progress, "  layer %d/%d %s (%.1f MB)\n", i+1, len(layers), short(d), float64(size)/1e6)
+			}
+		}); err != nil {
+			return fmt.Errorf("layer %d: %w", i+1, err)
 		}
 	}
 	return nil
+}
+
+// unpackLayer applies l to t and verifies it (see Unpack).
+func unpackLayer(ctx context.Context, l v1.Layer, t *rootfs.Tree, o ApplyOptions, b *budget, started func(v1.Hash, int64)) error {
+	digest, err := l.Digest()
+	if err != nil {
+		return errdefs.InvalidArgument("digest: %v", err)
+	}
+	diffID, err := l.DiffID()
+	if err != nil {
+		return errdefs.InvalidArgument("layer %s: diff_id: %v", digest, err)
+	}
+	size, _ := l.Size()
+	started(digest, size)
+	rc, err := l.Compressed()
+	if err != nil {
+		return classify(digest.String(), err, "")
+	}
+	defer rc.Close()
+	zsum := sha256.New()
+	compressed := io.TeeReader(rc, zsum)
+	zr, err := decompress(compressed)
+	if err != nil {
+		return errdefs.InvalidArgument("layer %s: %v", digest, err)
+	}
+	defer zr.Close()
+	sum := sha256.New()
+	r := &meteredReader{r: io.TeeReader(zr, sum), b: b}
+	if err := applyLayer(ctx, t, r, o, b); err != nil {
+		return fmt.Errorf("%s: %w", short(digest), err)
+	}
+	// The tar reader stops at the end-of-archive marker: read the rest,
+	// so that the digests cover every byte.
+	if _, err := io.Copy(io.Discard, r); err != nil {
+		return fmt.Errorf("%s: %w", short(digest), malformed(err))
+	}
+	if _, err := io.Copy(io.Discard, compressed); err != nil {
+		return classify(digest.String(), err, "")
+	}
+	if got := hex.EncodeToString(zsum.Sum(nil)); digest.Algorithm != "sha256" || got != digest.Hex {
+		return errdefs.InvalidArgument("layer %s content does not match its digest (sha256:%s)", digest, got)
+	}
+	if got := hex.EncodeToString(sum.Sum(nil)); diffID.Algorithm != "sha256" || got != diffID.Hex {
+		return errdefs.InvalidArgument("layer %s uncompressed content does not match its diff_id %s (sha256:%s)", digest, diffID, got)
+	}
+	return nil
+}
+
+// decompress returns the uncompressed stream of r: gzip, zstd or plain
+// tar, told by its first bytes.
+func decompress(r io.Reader) (io.ReadCloser, error) {
+	br := bufio.NewReader(r)
+	magic, err := br.Peek(4)
+	if err != nil && err != io.EOF {
+		return nil, err
+	}
+	switch {
+	case bytes.HasPrefix(magic, []byte{0x1f, 0x8b}):
+		return gzip.NewReader(br)
+	case bytes.HasPrefix(magic, []byte{0x28, 0xb5, 0x2f, 0xfd}):
+		zr, err := zstd.NewReader(br, zstd.WithDecoderConcurrency(1))
+		if err != nil {
+			return nil, err
+		}
+		return zr.IOReadCloser(), nil
+	}
+	return io.NopCloser(br), nil
 }
 
 func short(h v1.Hash) string {

@@ -1,12 +1,14 @@
 package oci
 
 import (
+	"context"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 
 	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/image/oci/ocitest"
 )
 
 func TestLocateConfinesToRoot(t *testing.T) {
@@ -68,6 +70,33 @@ func TestLocateConfinesToRoot(t *testing.T) {
 		}
 		if err != nil || kind != c.kind || c.path != "" && path != c.path {
 			t.Errorf("Locate(%q, %q) = %s %s, %v; want %s %s", c.ref, c.root, kind, path, err, c.kind, c.path)
+		}
+	}
+}
+
+func TestLayoutSymlinksRefused(t *testing.T) {
+	img := ocitest.Image(t, ocitest.Layer(t, layerTar(t, ent{name: "a", data: "a"})))
+	m, _ := img.Manifest()
+	// Each case moves one part of a good layout outside (a sibling
+	// directory) and leaves a symlink to it in its place.
+	for _, part := range []string{
+		"index.json", "oci-layout", "blobs", "blobs/sha256",
+		"blobs/sha256/" + m.Config.Digest.Hex, "blobs/sha256/" + m.Layers[0].Digest.Hex,
+	} {
+		dir := ocitest.Layout(t, img)
+		if _, err := Open(context.Background(), "oci:"+dir, OpenOptions{Root: filepath.Dir(dir)}); err != nil {
+			t.Fatalf("%s: the untouched layout: %v", part, err)
+		}
+		outside := filepath.Join(t.TempDir(), "outside")
+		if err := os.Rename(filepath.Join(dir, part), outside); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Symlink(outside, filepath.Join(dir, part)); err != nil {
+			t.Fatal(err)
+		}
+		_, err := Open(context.Background(), "oci:"+dir, OpenOptions{Root: filepath.Dir(dir)})
+		if !errdefs.IsInvalidArgument(err) || !strings.Contains(err.Error(), "symlink") {
+			t.Errorf("%s a symlink: got %v, want it refused", part, err)
 		}
 	}
 }

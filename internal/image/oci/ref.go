@@ -96,6 +96,9 @@ func Open(ctx context.Context, ref string, o OpenOptions) (*Source, error) {
 	if err != nil {
 		return nil, err
 	}
+	if err := checkManifest(src.Image); err != nil {
+		return nil, fmt.Errorf("image %s: %w", ref, err)
+	}
 	src.Ref = ref
 	if src.Digest, err = src.Image.Digest(); err != nil {
 		return nil, classify(ref, err, src.Kind)
@@ -231,6 +234,9 @@ func openTarball(path string) (*Source, error) {
 	if _, err := os.Stat(path); err != nil {
 		return nil, errdefs.NotFound("image tarball %s: %v", path, err)
 	}
+	if err := checkTarball(path); err != nil {
+		return nil, err
+	}
 	img, err := tarball.ImageFromPath(path, nil)
 	if err != nil {
 		return nil, errdefs.InvalidArgument("image tarball %s: %v", path, err)
@@ -245,20 +251,37 @@ func openLayout(path string, p v1.Platform) (*Source, error) {
 		}
 		return nil, errdefs.InvalidArgument("OCI layout %s: no oci-layout file", path)
 	}
+	// Nothing of the layout may be a symlink (one could lead outside the
+	// import directory), and what is read whole is bounded.
+	for _, f := range []string{"oci-layout", "index.json"} {
+		if err := checkLayoutFile(filepath.Join(path, f), MaxMetadata); err != nil {
+			return nil, fmt.Errorf("OCI layout: %w", err)
+		}
+	}
+	for _, d := range []string{"blobs", filepath.Join("blobs", "sha256")} {
+		if fi, err := os.Lstat(filepath.Join(path, d)); err == nil && !fi.IsDir() {
+			return nil, errdefs.InvalidArgument("OCI layout %s: %s is not a directory (a symlink is refused)", path, d)
+		}
+	}
 	idx, err := layout.ImageIndexFromPath(path)
 	if err != nil {
 		return nil, errdefs.InvalidArgument("OCI layout %s: %v", path, err)
 	}
-	img, err := pickImage(idx, p, 0)
+	blob := func(h v1.Hash) error { return layoutBlob(path, h, MaxMetadata) }
+	img, err := pickImage(idx, p, blob, 0)
 	if err != nil {
 		return nil, fmt.Errorf("OCI layout %s: %w", path, err)
+	}
+	if err := checkLayoutImage(path, img); err != nil {
+		return nil, fmt.Errorf("OCI layout: %w", err)
 	}
 	return &Source{Image: img, Kind: KindLayout}, nil
 }
 
 // pickImage returns the one image of idx (and nested indexes) for p: the
-// only image, or the only one whose platform matches.
-func pickImage(idx v1.ImageIndex, p v1.Platform, depth int) (v1.Image, error) {
+// only image, or the only one whose platform matches. Each manifest or
+// index is checked with blob, then, before it is read.
+func pickImage(idx v1.ImageIndex, p v1.Platform, blob func(v1.Hash) error, depth int) (v1.Image, error) {
 	if depth > 4 {
 		return nil, errdefs.InvalidArgument("indexes nested too deep")
 	}
@@ -268,6 +291,14 @@ func pickImage(idx v1.ImageIndex, p v1.Platform, depth int) (v1.Image, error) {
 	}
 	var all, matching []v1.Image
 	for _, d := range im.Manifests {
+		if d.MediaType.IsImage() || d.MediaType.IsIndex() {
+			if d.Size > MaxMetadata {
+				return nil, errdefs.InvalidArgument("manifest %s is %d bytes; the limit is %d", d.Digest, d.Size, MaxMetadata)
+			}
+			if err := blob(d.Digest); err != nil {
+				return nil, err
+			}
+		}
 		switch {
 		case d.MediaType.IsImage():
 			img, err := idx.Image(d.Digest)
@@ -283,7 +314,7 @@ func pickImage(idx v1.ImageIndex, p v1.Platform, depth int) (v1.Image, error) {
 			if err != nil {
 				return nil, errdefs.InvalidArgument("index %s: %v", d.Digest, err)
 			}
-			img, err := pickImage(child, p, depth+1)
+			img, err := pickImage(child, p, blob, depth+1)
 			if err != nil {
 				return nil, err
 			}

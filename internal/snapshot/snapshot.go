@@ -45,6 +45,10 @@ const (
 	StatusWriting Status = "writing"
 	StatusReady   Status = "ready"
 	StatusFailed  Status = "failed"
+	// StatusCorrupt: a tag this forkd cannot use (its metadata is missing,
+	// unreadable, invalid or of another format version; Error says which).
+	// Only List reports it; Remove deletes it.
+	StatusCorrupt Status = "corrupt"
 )
 
 // File names inside a snapshot directory.
@@ -159,28 +163,52 @@ func (s *Store) Get(tag string) (*Snapshot, error) {
 }
 
 func load(dir, tag string) (*Snapshot, error) {
-	b, err := os.ReadFile(filepath.Join(dir, MetadataFile))
-	if err != nil {
-		if errors.Is(err, os.ErrNotExist) {
+	md, err := readMetadata(dir, tag)
+	if errors.Is(err, os.ErrNotExist) {
+		if _, serr := os.Lstat(dir); errors.Is(serr, os.ErrNotExist) {
 			return nil, errdefs.NotFound("snapshot %q not found", tag)
 		}
-		return nil, fmt.Errorf("snapshot %q: %w", tag, err)
+	}
+	var fe *formatError
+	switch {
+	case errors.As(err, &fe):
+		return nil, errdefs.FailedPrecondition("snapshot %q has %v", tag, fe)
+	case err != nil:
+		return nil, errdefs.FailedPrecondition("snapshot %q is corrupt: %v; remove it (forkd rmi %s)", tag, err, tag)
+	}
+	return &Snapshot{Metadata: *md, Dir: dir}, nil
+}
+
+// formatError is metadata of a format version this forkd does not read.
+type formatError struct{ version int }
+
+func (e *formatError) Error() string {
+	return fmt.Sprintf("format version %d; this forkd reads %d", e.version, FormatVersion)
+}
+
+// readMetadata reads and checks dir's metadata.json; its errors say what is
+// wrong with it, without naming the tag.
+func readMetadata(dir, tag string) (*Metadata, error) {
+	b, err := os.ReadFile(filepath.Join(dir, MetadataFile))
+	if err != nil {
+		return nil, err
 	}
 	var md Metadata
 	if err := json.Unmarshal(b, &md); err != nil {
-		return nil, fmt.Errorf("snapshot %q: corrupt metadata: %w", tag, err)
+		return nil, fmt.Errorf("corrupt %s: %w", MetadataFile, err)
 	}
 	if md.FormatVersion != FormatVersion {
-		return nil, errdefs.FailedPrecondition("snapshot %q has format version %d; this forkd reads %d", tag, md.FormatVersion, FormatVersion)
+		return nil, &formatError{md.FormatVersion}
 	}
 	if md.Tag != tag {
-		return nil, fmt.Errorf("snapshot %q: metadata names tag %q", tag, md.Tag)
+		return nil, fmt.Errorf("%s names tag %q", MetadataFile, md.Tag)
 	}
-	return &Snapshot{Metadata: md, Dir: dir}, nil
+	return &md, nil
 }
 
-// List returns every snapshot in the store, sorted by tag. Entries that
-// cannot be read are skipped.
+// List returns every snapshot in the store, sorted by tag. A tag whose
+// metadata cannot be used is listed with StatusCorrupt, Error saying why,
+// so that it can be found and removed.
 func (s *Store) List() ([]*Snapshot, error) {
 	entries, err := os.ReadDir(s.root)
 	if err != nil {
@@ -188,14 +216,25 @@ func (s *Store) List() ([]*Snapshot, error) {
 	}
 	var out []*Snapshot
 	for _, e := range entries {
-		if !e.IsDir() || ValidateTag(e.Name()) != nil {
+		if ValidateTag(e.Name()) != nil {
 			continue
 		}
-		snap, err := load(filepath.Join(s.root, e.Name()), e.Name())
+		dir := filepath.Join(s.root, e.Name())
+		var md *Metadata
+		if e.IsDir() {
+			md, err = readMetadata(dir, e.Name())
+		} else {
+			err = errors.New("not a directory")
+		}
+		if errors.Is(err, os.ErrNotExist) {
+			if _, serr := os.Lstat(dir); errors.Is(serr, os.ErrNotExist) {
+				continue // removed since ReadDir
+			}
+		}
 		if err != nil {
-			continue
+			md = &Metadata{Tag: e.Name(), Status: StatusCorrupt, Error: err.Error()}
 		}
-		out = append(out, snap)
+		out = append(out, &Snapshot{Metadata: *md, Dir: dir})
 	}
 	return out, nil
 }
@@ -261,23 +300,32 @@ func (s *Store) InUse(tag string) (bool, error) {
 	return false, nil
 }
 
-// Remove deletes the snapshot named tag. It fails with a
-// FailedPrecondition-class error while any VMM holds a reference.
+// Remove deletes the snapshot named tag, corrupt ones included (a
+// directory without metadata or lock file, or with unusable metadata). It
+// fails with a FailedPrecondition-class error while any VMM holds a
+// reference; without a lock file no reference can be checked.
 func (s *Store) Remove(tag string) error {
 	dir, err := s.path(tag)
 	if err != nil {
 		return err
 	}
-	if _, err := os.Stat(filepath.Join(dir, MetadataFile)); err != nil {
-		return errdefs.NotFound("snapshot %q not found", tag)
-	}
-	f, err := os.Open(filepath.Join(dir, LockFile))
-	if err != nil {
+	if _, err := os.Lstat(dir); err != nil {
+		if errors.Is(err, os.ErrNotExist) {
+			return errdefs.NotFound("snapshot %q not found", tag)
+		}
 		return fmt.Errorf("snapshot %q: %w", tag, err)
 	}
-	defer f.Close()
-	if err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB); err != nil {
-		return errdefs.FailedPrecondition("snapshot %q is in use by running sandboxes", tag)
+	f, err := os.Open(filepath.Join(dir, LockFile))
+	switch {
+	case err == nil:
+		defer f.Close()
+		if err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB); err != nil {
+			return errdefs.FailedPrecondition("snapshot %q is in use by running sandboxes", tag)
+		}
+	case errors.Is(err, os.ErrNotExist), errors.Is(err, unix.ENOTDIR):
+		// No lock file: a corrupt tag no restore could have referenced.
+	default:
+		return fmt.Errorf("snapshot %q: %w", tag, err)
 	}
 	trash, err := os.MkdirTemp(s.root, ".trash-"+tag+"-")
 	if err != nil {
@@ -285,6 +333,9 @@ func (s *Store) Remove(tag string) error {
 	}
 	if err := os.Rename(dir, filepath.Join(trash, tag)); err != nil {
 		os.Remove(trash)
+		if errors.Is(err, os.ErrNotExist) {
+			return errdefs.NotFound("snapshot %q not found", tag)
+		}
 		return fmt.Errorf("remove snapshot %q: %w", tag, err)
 	}
 	return os.RemoveAll(trash)

@@ -6,6 +6,8 @@ import (
 	"strings"
 	"testing"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/forkd/forkd/internal/errdefs"
 )
 
@@ -174,3 +176,96 @@ func TestAbortAndReclaim(t *testing.T) {
 		t.Fatalf("aborted snapshot visible: %v", err)
 	}
 }
+
+func TestCorruptTagsListedAndRemovable(t *testing.T) {
+	s, _ := Open(t.TempDir())
+	writeSnapshot(t, s, "good")
+	mk := func(tag string, files map[string]string) {
+		dir := filepath.Join(s.Root(), tag)
+		os.Mkdir(dir, 0o700)
+		for name, data := range files {
+			os.WriteFile(filepath.Join(dir, name), []byte(data), 0o600)
+		}
+	}
+	mk("nometa", map[string]string{LockFile: "", MemoryFile: "m"})
+	mk("garbage", map[string]string{MetadataFile: "{not json", LockFile: ""})
+	mk("nolock", map[string]string{MetadataFile: "{"})
+	mk("future", map[string]string{MetadataFile: `{"format_version": 99, "tag": "future", "status": "ready"}`, LockFile: ""})
+	mk("wrongtag", map[string]string{MetadataFile: `{"format_version": 1, "tag": "other", "status": "ready"}`, LockFile: ""})
+	os.WriteFile(filepath.Join(s.Root(), "afile"), []byte("x"), 0o600)
+
+	list, err := s.List()
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := map[string]string{ // tag: a word of Error
+		"afile": "not a directory", "future": "format version 99", "garbage": "corrupt metadata.json",
+		"nolock": "corrupt metadata.json", "nometa": "no such file", "wrongtag": `names tag "other"`,
+	}
+	var tags []string
+	for _, sn := range list {
+		tags = append(tags, sn.Tag)
+		if sn.Tag == "good" {
+			if sn.Status != StatusReady {
+				t.Errorf("good: status %s", sn.Status)
+			}
+			continue
+		}
+		if sn.Status != StatusCorrupt || !strings.Contains(sn.Error, want[sn.Tag]) {
+			t.Errorf("%s: status %s, error %q; want corrupt, %q", sn.Tag, sn.Status, sn.Error, want[sn.Tag])
+		}
+		if sn.Dir != filepath.Join(s.Root(), sn.Tag) {
+			t.Errorf("%s: dir %s", sn.Tag, sn.Dir)
+		}
+	}
+	if strings.Join(tags, " ") != "afile future garbage good nolock nometa wrongtag" {
+		t.Fatalf("List tags = %v", tags)
+	}
+
+	_, err = s.Get("nometa")
+	wantPrecondition(t, "Get(nometa)", err, "corrupt", "forkd rmi nometa")
+	_, err = s.Get("future")
+	wantPrecondition(t, "Get(future)", err, "format version 99")
+	if _, _, err := s.Acquire("garbage"); !errdefs.IsFailedPrecondition(err) {
+		t.Fatalf("Acquire(garbage) = %v", err)
+	}
+	_, err = s.Create("garbage")
+	if !errdefs.IsAlreadyExists(err) || !strings.Contains(err.Error(), "unusable") || !strings.Contains(err.Error(), "forkd rmi garbage") {
+		t.Fatalf("Create over a corrupt tag = %v", err)
+	}
+
+	// A holder of the lock (a live child) still blocks removal.
+	f, err := os.Open(filepath.Join(s.Root(), "garbage", LockFile))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ref := &Ref{File: f}
+	if err := lockShared(f); err != nil {
+		t.Fatal(err)
+	}
+	err = s.Remove("garbage")
+	wantPrecondition(t, "Remove(garbage) while held", err, "in use")
+	ref.Close()
+
+	for tag := range want {
+		if err := s.Remove(tag); err != nil {
+			t.Errorf("Remove(%s) = %v", tag, err)
+		}
+		if err := s.Remove(tag); !errdefs.IsNotFound(err) {
+			t.Errorf("second Remove(%s) = %v, want NotFound", tag, err)
+		}
+	}
+	list, _ = s.List()
+	if len(list) != 1 || list[0].Tag != "good" {
+		t.Fatalf("List after removals = %v", list)
+	}
+	entries, _ := os.ReadDir(s.Root())
+	if len(entries) != 1 {
+		t.Fatalf("store holds %v after removals", entries)
+	}
+	if _, err := s.Create("garbage"); err != nil {
+		t.Fatalf("Create after removing the corrupt tag = %v", err)
+	}
+}
+
+func lockShared(f *os.File) error { return unix.Flock(int(f.Fd()), unix.LOCK_SH|unix.LOCK_NB) }

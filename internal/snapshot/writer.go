@@ -30,7 +30,10 @@ func (s *Store) Create(tag string) (*Writer, error) {
 	if err != nil {
 		return nil, err
 	}
-	if _, err := os.Stat(final); err == nil {
+	if _, err := os.Lstat(final); err == nil {
+		if _, err := readMetadata(final, tag); err != nil {
+			return nil, errdefs.AlreadyExists("snapshot %q already exists, unusable (%v); remove it first (forkd rmi %s)", tag, err, tag)
+		}
 		return nil, errdefs.AlreadyExists("snapshot %q already exists", tag)
 	}
 	dir, err := os.MkdirTemp(s.root, ".staging-"+tag+"-")

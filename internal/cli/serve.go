@@ -26,6 +26,7 @@ type serveOptions struct {
 	socket, listen, tokenFile   string
 	tlsCert, tlsKey             string
 	noAuth, allowPlaintext      bool
+	allowImageScripts           bool
 	maxSandboxes, maxPerRequest int
 	maxParallel, maxPending     int
 	pool                        int
@@ -66,6 +67,7 @@ missing). A non-loopback --listen needs TLS (--tls-cert/--tls-key) unless
 	f.IntVar(&o.pool, "pool", min(2*runtime.NumCPU(), maxServePool), fmt.Sprintf("VMMs kept parked (~16 MiB each) for each of the 4 snapshots forked most recently, 0 (none) to %d", maxServePool))
 	f.Int64Var(&o.maxBody, "max-body-bytes", 1<<20, "largest JSON request body, 1024 (1 KiB) to 67108864 (64 MiB)")
 	f.StringVar(&o.auditLog, "audit-log", "", `audit log, one JSON line per request (default <data-dir>/audit.log; "-" for stderr)`)
+	f.BoolVar(&o.allowImageScripts, "allow-image-scripts", false, "let API callers install oci.extra packages, which runs the image's own apt scripts as root on this host (only if every token holder is trusted with root)")
 	f.StringVar(&o.importDir, "import-dir", "", "the only directory whose tarballs and OCI layouts API callers may import (default <data-dir>/imports; other refs must be registry references)")
 	f.DurationVar(&o.grace, "shutdown-grace", 10*time.Second, "time requests in flight get to finish at shutdown, 0 to 1h")
 	return cmd
@@ -209,15 +211,16 @@ func serve(ctx context.Context, g *globals, o serveOptions) error {
 	defer closeAudit()
 	exp := sandbox.NewExpirer(e)
 	srv, err := server.New(server.Config{
-		Engine:       e,
-		Admitter:     sandbox.NewAdmitter(e, sandbox.Limits{MaxSandboxes: o.maxSandboxes, MaxPending: o.maxPending}),
-		Expirer:      exp,
-		Token:        token,
-		MaxBodyBytes: o.maxBody,
-		ImportDir:    importDir,
-		Audit:        audit,
-		Logger:       log,
-		Version:      Version,
+		Engine:            e,
+		Admitter:          sandbox.NewAdmitter(e, sandbox.Limits{MaxSandboxes: o.maxSandboxes, MaxPending: o.maxPending}),
+		Expirer:           exp,
+		Token:             token,
+		MaxBodyBytes:      o.maxBody,
+		ImportDir:         importDir,
+		AllowImageScripts: o.allowImageScripts,
+		Audit:             audit,
+		Logger:            log,
+		Version:           Version,
 	})
 	if err != nil {
 		return err

@@ -54,6 +54,10 @@ type Config struct {
 	// snapshot requests may import (default <data>/imports); any other
 	// oci.ref must be a registry reference.
 	ImportDir string
+	// AllowImageScripts lets snapshot requests install oci.extra packages,
+	// which runs the image's apt and maintainer scripts as root on the host
+	// (in a chroot); without it such requests are refused with 400.
+	AllowImageScripts bool
 	// Audit receives one JSON line per request; nil discards.
 	Audit   io.Writer
 	Logger  *slog.Logger

@@ -125,6 +125,10 @@ func (s *Server) createSnapshot(r *http.Request, req *apiv1.CreateSnapshotReques
 	if err != nil {
 		return nil, err
 	}
+	if oci != nil && len(oci.Extra) > 0 && !s.cfg.AllowImageScripts {
+		return nil, errdefs.InvalidArgument("oci.extra runs the image's own package scripts as root on the host; " +
+			"this daemon refuses it unless started with forkd serve --allow-image-scripts")
+	}
 	spec.Network = s.e.Config().Net != nil
 	if req.Network != nil {
 		spec.Network = *req.Network

@@ -93,6 +93,7 @@ func TestSnapshotImportChecked(t *testing.T) {
 		{`{"tag":"x","oci":{"ref":""}}`, 400, "empty image reference"},
 		{`{"tag":"x","oci":{"ref":"UPPER/case::x"}}`, 400, "image reference"},
 		{`{"tag":"x","oci":{"ref":"busybox","extra":["--force-yes"]}}`, 400, "extra package name"},
+		{`{"tag":"x","oci":{"ref":"busybox","extra":["file"]}}`, 400, "--allow-image-scripts"},
 		{`{"tag":"x","oci":{"ref":"busybox","preload":["os; rm -rf /"]}}`, 400, "preload module"},
 		{`{"tag":"python","oci":{"ref":"busybox"}}`, 409, "built-in image"},
 		{`{"tag":"a..b","oci":{"ref":"busybox"}}`, 400, "image name"},

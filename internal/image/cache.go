@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -37,7 +38,7 @@ import (
 // (files) next to their final place and renamed into it once complete and
 // synced, so an entry either exists whole or not at all. Staging leftovers
 // of a crashed builder are removed by the next builder of the same key,
-// under the lock.
+// under the lock, or by Reclaim.
 const (
 	kindKernel    = "kernel"
 	kindBusybox   = "busybox"
@@ -60,23 +61,11 @@ func checkKey(key string) error {
 // lock takes the exclusive flock of one cache entry, waiting until ctx is
 // done. The returned function releases it.
 func (b *Builder) lock(ctx context.Context, kind, key string) (func(), error) {
-	dir := filepath.Join(b.CacheDir, kindLocks)
-	if err := os.MkdirAll(dir, 0o755); err != nil {
-		return nil, err
-	}
-	f, err := os.OpenFile(filepath.Join(dir, kind+"-"+key+".lock"), os.O_RDWR|os.O_CREATE, 0o644)
-	if err != nil {
-		return nil, err
-	}
 	waited := false
 	for {
-		err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB)
-		if err == nil {
-			return func() { f.Close() }, nil
-		}
-		if err != unix.EWOULDBLOCK && err != unix.EINTR {
-			f.Close()
-			return nil, fmt.Errorf("lock %s/%s: %w", kind, key, err)
+		unlock, ok, err := b.tryLock(kind, key)
+		if err != nil || ok {
+			return unlock, err
 		}
 		if !waited {
 			waited = true
@@ -84,11 +73,108 @@ func (b *Builder) lock(ctx context.Context, kind, key string) (func(), error) {
 		}
 		select {
 		case <-ctx.Done():
-			f.Close()
 			return nil, ctx.Err()
 		case <-time.After(100 * time.Millisecond):
 		}
 	}
+}
+
+// tryLock is lock without waiting: ok is false when another builder holds
+// the entry.
+func (b *Builder) tryLock(kind, key string) (unlock func(), ok bool, err error) {
+	dir := filepath.Join(b.CacheDir, kindLocks)
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return nil, false, err
+	}
+	f, err := os.OpenFile(filepath.Join(dir, kind+"-"+key+".lock"), os.O_RDWR|os.O_CREATE, 0o644)
+	if err != nil {
+		return nil, false, err
+	}
+	switch err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB); err {
+	case nil:
+		return func() { f.Close() }, true, nil
+	case unix.EWOULDBLOCK, unix.EINTR:
+		f.Close()
+		return nil, false, nil
+	default:
+		f.Close()
+		return nil, false, fmt.Errorf("lock %s/%s: %w", kind, key, err)
+	}
+}
+
+// StaleTempAge is how old a ".tmp-" file of the cache must be for Reclaim
+// to take it for a crashed writer's.
+const StaleTempAge = 10 * time.Minute
+
+// Reclaim removes what crashed builders left in the cache: staging
+// directories of entries no builder holds the lock of (mounts below them
+// detached first, as a failed build does), and ".tmp-" files not modified
+// for StaleTempAge. It is safe while other builders run: a staging
+// directory being built is under its entry's lock, a file being written
+// is fresh. Call it when a daemon starts. Errors are joined; what could
+// not be removed is left for the next call.
+func (b *Builder) Reclaim() error {
+	kinds, err := os.ReadDir(b.CacheDir)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	var errs []error
+	for _, k := range kinds {
+		if !k.IsDir() || k.Name() == kindLocks {
+			continue
+		}
+		errs = append(errs, b.reclaimKind(k.Name()))
+	}
+	return errors.Join(errs...)
+}
+
+func (b *Builder) reclaimKind(kind string) error {
+	parent := filepath.Join(b.CacheDir, kind)
+	entries, err := os.ReadDir(parent)
+	if err != nil {
+		return err
+	}
+	var errs []error
+	for _, e := range entries {
+		p := filepath.Join(parent, e.Name())
+		if rest, ok := strings.CutPrefix(e.Name(), ".tmp-"); ok && rest != "" {
+			if fi, err := e.Info(); err == nil && fi.Mode().IsRegular() && time.Since(fi.ModTime()) > StaleTempAge {
+				if err := os.Remove(p); err != nil && !errors.Is(err, fs.ErrNotExist) {
+					errs = append(errs, err)
+				}
+			}
+			continue
+		}
+		rest, ok := strings.CutPrefix(e.Name(), ".staging-")
+		i := strings.LastIndexByte(rest, '-')
+		if !ok || !e.IsDir() || i <= 0 {
+			continue
+		}
+		// .staging-<key>-<random>, or .staging-<key>-old-<random> for an
+		// entry being replaced.
+		key := strings.TrimSuffix(rest[:i], "-old")
+		if checkKey(key) != nil {
+			continue
+		}
+		unlock, free, err := b.tryLock(kind, key)
+		if err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		if !free {
+			continue // being built
+		}
+		if err := removeTree(p); err != nil {
+			errs = append(errs, err)
+		} else {
+			b.log().Info("removed a crashed build's leftover", "dir", p)
+		}
+		unlock()
+	}
+	return errors.Join(errs...)
 }
 
 // ensureDir returns <cache>/<kind>/<key>, building it first unless valid

@@ -49,6 +49,8 @@ func newFromImageCmd(g *globals) *cobra.Command {
 			defer e.Close()
 			if _, err := e.Snapshots().Get(spec.Tag); err == nil {
 				return errdefs.AlreadyExists("snapshot %q already exists (forkd rmi %s to replace it)", spec.Tag, spec.Tag)
+			} else if !errdefs.IsNotFound(err) {
+				return err
 			}
 			img, err := e.Images().FromOCI(cmd.Context(), args[0], *oci)
 			if err != nil {

@@ -27,6 +27,7 @@ type snapshotView struct {
 	Created     time.Time `json:"created"`
 	Parent      string    `json:"parent,omitempty"`
 	Network     bool      `json:"network,omitempty"`
+	Error       string    `json:"error,omitempty"` // why a snapshot is failed or corrupt
 }
 
 func viewSnapshot(s *snapshot.Snapshot, refs int) snapshotView {
@@ -34,6 +35,7 @@ func viewSnapshot(s *snapshot.Snapshot, refs int) snapshotView {
 		Tag: s.Tag, Status: string(s.Status), Image: s.Image, Backend: s.Backend,
 		Accelerator: s.Accelerator, MemoryMiB: s.MemoryMiB, VCPUs: s.VCPUs,
 		SizeBytes: s.SizeBytes(), Refcount: refs, Created: s.Created, Parent: s.Parent, Network: s.Network,
+		Error: s.Error,
 	}
 }
 
@@ -49,8 +51,12 @@ func newImagesCmd(g *globals) *cobra.Command {
 				return err
 			}
 			return printList(g, asJSON, "snapshots", "TAG\tSTATUS\tIMAGE\tMEMORY\tSIZE\tCHILDREN\tCREATED", views, func(v snapshotView) string {
+				created := "-"
+				if !v.Created.IsZero() {
+					created = v.Created.Local().Format(time.DateTime)
+				}
 				return fmt.Sprintf("%s\t%s\t%s\t%d MiB\t%.1f MiB\t%d\t%s", v.Tag, v.Status, v.Image, v.MemoryMiB,
-					float64(v.SizeBytes)/(1<<20), v.Refcount, v.Created.Local().Format(time.DateTime))
+					float64(v.SizeBytes)/(1<<20), v.Refcount, created)
 			})
 		},
 	}
@@ -122,6 +128,6 @@ func apiSnapshotView(s apiv1.Snapshot) snapshotView {
 	return snapshotView{
 		Tag: s.Tag, Status: s.Status, Image: s.Image, Backend: s.Backend, Accelerator: s.Accelerator,
 		MemoryMiB: s.MemoryMiB, VCPUs: s.VCPUs, SizeBytes: s.SizeBytes, Refcount: s.Refcount,
-		Created: s.Created, Parent: s.Parent, Network: s.Network,
+		Created: s.Created, Parent: s.Parent, Network: s.Network, Error: s.Error,
 	}
 }

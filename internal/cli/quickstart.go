@@ -213,7 +213,8 @@ func (l localQS) snapshot(ctx context.Context, tag string) (qsSnapshot, error) {
 	be := l.e.Backend()
 	return qsSnapshot{
 		usable: snap.Status == snapshot.StatusReady && snap.Backend == be.Name() &&
-			snap.Accelerator == be.Capabilities().Accelerator && snap.Network == (l.e.Config().Net != nil),
+			snap.Accelerator == be.Capabilities().Accelerator && snap.Network == (l.e.Config().Net != nil) &&
+			snap.Verify() == nil,
 		image: snap.Image, python: snap.Python != "",
 	}, nil
 }

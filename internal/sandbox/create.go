@@ -88,11 +88,22 @@ func (e *Engine) CreateSnapshot(ctx context.Context, spec SnapshotSpec) (*snapsh
 	}
 	if _, err := e.snaps.Get(spec.Tag); err == nil {
 		return nil, errdefs.AlreadyExists("snapshot %q already exists (forkd rmi %s to replace it)", spec.Tag, spec.Tag)
+	} else if !errdefs.IsNotFound(err) {
+		return nil, err
 	}
 	img := spec.Built
 	if img == nil {
 		var err error
 		if img, err = e.images.Build(ctx, spec.Image); err != nil {
+			return nil, err
+		}
+	}
+	// The disk's identity before the parent boots: one swapped during the
+	// build fails the commit.
+	var rootfsID *snapshot.FileID
+	if img.Rootfs != "" {
+		var err error
+		if rootfsID, err = snapshot.Identify(img.Rootfs); err != nil {
 			return nil, err
 		}
 	}
@@ -205,7 +216,7 @@ func (e *Engine) CreateSnapshot(ctx context.Context, spec SnapshotSpec) (*snapsh
 		Network:        spec.Network,
 	}
 	if img.Rootfs != "" {
-		md.Rootfs = snapshot.FileRef{Path: img.Rootfs, SHA256: img.RootfsSHA256}
+		md.Rootfs = snapshot.FileRef{Path: img.Rootfs, SHA256: img.RootfsSHA256, ID: rootfsID}
 	}
 	snap, err := w.Commit(md)
 	if err != nil {

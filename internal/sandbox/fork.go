@@ -90,6 +90,9 @@ func (e *Engine) Fork(ctx context.Context, spec ForkSpec) (*ForkResult, error) {
 	if snap.Status != snapshot.StatusReady {
 		return nil, errdefs.FailedPrecondition("snapshot %q is %s, not ready", spec.Tag, snap.Status)
 	}
+	if err := snap.Verify(); err != nil {
+		return nil, err
+	}
 	if snap.Backend != e.cfg.Backend.Name() {
 		return nil, errdefs.FailedPrecondition("snapshot %q was made by backend %s; this forkd uses %s", spec.Tag, snap.Backend, e.cfg.Backend.Name())
 	}

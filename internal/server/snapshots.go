@@ -138,6 +138,8 @@ func (s *Server) createSnapshot(r *http.Request, req *apiv1.CreateSnapshotReques
 	}
 	if _, err := s.e.Snapshots().Get(spec.Tag); err == nil {
 		return nil, errdefs.AlreadyExists("snapshot %q already exists", spec.Tag)
+	} else if !errdefs.IsNotFound(err) {
+		return nil, err
 	}
 	op, err := s.ops.start("create_snapshot", spec.Tag)
 	if err != nil {

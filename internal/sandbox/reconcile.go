@@ -38,8 +38,8 @@ type ReconcileReport struct {
 // recorded process (pid and start time, never the pid alone), marks dead
 // the ones whose VMM is gone and reclaims their run dirs, aborts children
 // whose restore was cut short, kills VMM processes and removes run dirs of
-// this data dir that no record owns, and reclaims abandoned snapshot
-// staging. It needs the state store to itself (Config.Daemon), so that no
+// this data dir that no record owns, and reclaims abandoned snapshot and
+// image-cache staging. It needs the state store to itself (Config.Daemon), so that no
 // other forkd process is mid-fork.
 func (e *Engine) Reconcile(ctx context.Context) (*ReconcileReport, error) {
 	if !e.cfg.Daemon {
@@ -147,6 +147,9 @@ func (e *Engine) Reconcile(ctx context.Context) (*ReconcileReport, error) {
 	}
 	if err := e.snaps.Reclaim(); err != nil {
 		errs = append(errs, fmt.Errorf("reclaim snapshot staging: %w", err))
+	}
+	if err := e.images.Reclaim(); err != nil {
+		errs = append(errs, fmt.Errorf("reclaim image cache staging: %w", err))
 	}
 	return rep, errors.Join(errs...)
 }

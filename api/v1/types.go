@@ -71,6 +71,11 @@ const (
 	SnapshotWriting = "writing"
 	SnapshotReady   = "ready"
 	SnapshotFailed  = "failed"
+	// SnapshotCorrupt: a tag the daemon cannot use (its metadata is
+	// missing, unreadable, invalid or of another format version); Error
+	// says why. Getting, forking or creating over it is 409; DELETE
+	// removes it.
+	SnapshotCorrupt = "corrupt"
 )
 
 // Snapshot is a warm snapshot children are forked from.
@@ -159,9 +164,9 @@ const (
 	EgressAllowlist = "allowlist"
 )
 
-// NetworkSpec is a sandbox's network. Accepted, validated and recorded
-// now; enforced once per-sandbox network namespaces are wired into fork
-// (until then children have no network device).
+// NetworkSpec is a sandbox's network: its egress policy and published
+// ports, enforced in the sandbox's own network namespace (see
+// docs/isolation.md). Its snapshot must have been made with a network.
 type NetworkSpec struct {
 	// Egress is "allow" (default), "deny" or "allowlist".
 	Egress string `json:"egress,omitempty"`
@@ -278,7 +283,9 @@ type Sandbox struct {
 }
 
 // SandboxList answers GET /v1/sandboxes. Query parameters filter it:
-// snapshot=TAG, and metadata=KEY=VALUE (repeatable; all must match).
+// snapshot=TAG, metadata=KEY=VALUE (repeatable; all must match) and
+// status=S (starting, running, building, dead or oom; parked is accepted
+// but matches nothing, as parked VMMs are never listed).
 type SandboxList struct {
 	Sandboxes []Sandbox `json:"sandboxes"`
 }

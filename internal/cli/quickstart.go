@@ -67,7 +67,7 @@ func newQuickstartCmd(g *globals) *cobra.Command {
 	f := cmd.Flags()
 	f.IntVarP(&n, "n", "n", 10, "children to fork")
 	f.BoolVarP(&yes, "yes", "y", false, "install missing host packages without asking")
-	f.StringVar(&img, "image", "python", "image to snapshot (python: Debian + numpy; minimal: busybox only)")
+	f.StringVar(&img, "image", "python", "image to snapshot (python: the host's distro (Debian/Ubuntu) + numpy; minimal: busybox only)")
 	f.StringVar(&tag, "tag", "quickstart", "snapshot tag to create or reuse")
 	return cmd
 }

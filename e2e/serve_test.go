@@ -307,8 +307,8 @@ func TestServeAcceptance(t *testing.T) {
 		if errdefs.IsNotFound(err) {
 			break
 		}
-		if time.Now().After(ttl.ExpiresAt.Add(3 * time.Second)) {
-			t.Fatalf("sandbox with timeout 5 s still there 3 s after expiry (%v)", err)
+		if time.Now().After(ttl.ExpiresAt.Add(5 * time.Second)) {
+			t.Fatalf("sandbox with timeout 5 s still there 5 s after expiry (%v)", err)
 		}
 		time.Sleep(100 * time.Millisecond)
 	}

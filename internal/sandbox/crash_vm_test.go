@@ -37,6 +37,20 @@ func TestCrashAtAnyStepLeavesNothing(t *testing.T) {
 	ctx := ctxT(t, 10*time.Minute)
 	cli := newEngine(t, dir, false)
 	defer cli.Close()
+	// A failure midway must not leave detached VMMs, namespaces or
+	// cgroups on the host: whatever is left is reconciled away.
+	var daemon *sandbox.Engine
+	t.Cleanup(func() {
+		if daemon != nil {
+			daemon.Close()
+		}
+		d := newEngine(t, dir, true)
+		defer d.Close()
+		cctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+		defer cancel()
+		d.Reconcile(cctx)
+		d.KillAll(cctx, "")
+	})
 	if _, err := cli.CreateSnapshot(ctx, sandbox.SnapshotSpec{Tag: "crash", Image: "minimal", Network: true}); err != nil {
 		t.Fatal(err)
 	}
@@ -48,6 +62,9 @@ func TestCrashAtAnyStepLeavesNothing(t *testing.T) {
 		if err := cmd.Start(); err != nil {
 			t.Fatal(err)
 		}
+		// Killed whatever happens, so that the cleanup's reconcile sees
+		// its records as abandoned.
+		t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
 		if step == "build" {
 			// Kill it once the parent VM runs and is recorded.
 			for deadline := time.Now().Add(2 * time.Minute); !buildRecorded(t, cli); {
@@ -66,6 +83,7 @@ func TestCrashAtAnyStepLeavesNothing(t *testing.T) {
 		}
 
 		d := newEngine(t, dir, true)
+		daemon = d
 		rep, err := d.Reconcile(ctx)
 		if err != nil {
 			t.Fatalf("%s: reconcile: %v", step, err)
@@ -80,6 +98,7 @@ func TestCrashAtAnyStepLeavesNothing(t *testing.T) {
 			t.Errorf("%s: snapshot store holds %v, want only crash", step, ents)
 		}
 		d.Close()
+		daemon = nil
 	}
 }
 

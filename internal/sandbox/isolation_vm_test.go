@@ -120,7 +120,7 @@ func TestIsolation(t *testing.T) {
 		t.Fatal(err)
 	}
 	hn := hostNet(t, e)
-	inet := newOutsideHost(t, hn.Prefix+"inet", netip.MustParseAddr("198.51.100.1"), "internet")
+	inet := newOutsideHost(t, hn.Prefix+"inet", netip.MustParseAddr("203.0.113.1"), "internet") // TEST-NET-3: the netns tests own TEST-NET-2
 	private := newOutsideHost(t, hn.Prefix+"priv", netip.MustParseAddr("10.99.77.1"), "private")
 
 	res, err := e.Fork(ctx, sandbox.ForkSpec{Tag: "web", N: 3, Net: &sandbox.NetSpec{Publish: []int{80}}})
@@ -170,14 +170,14 @@ func TestIsolation(t *testing.T) {
 			t.Fatalf("deny: internet reachable: %q", out)
 		}
 		// An allowlist naming the server, then one naming something else.
-		named := netns.Policy{Mode: netns.ModeAllowlist, Allow: []netns.Rule{{CIDR: netip.MustParsePrefix("198.51.100.1/32"), Proto: "tcp"}}}
+		named := netns.Policy{Mode: netns.ModeAllowlist, Allow: []netns.Rule{{CIDR: netip.MustParsePrefix("203.0.113.1/32"), Proto: "tcp"}}}
 		if _, err := e.SetPolicy(ctx, a, named); err != nil {
 			t.Fatal(err)
 		}
 		if out := fetch(t, e, a, inet.addr); !strings.Contains(out, "internet") {
 			t.Fatalf("allowlist naming it: unreachable: %q", out)
 		}
-		other := netns.Policy{Mode: netns.ModeAllowlist, Allow: []netns.Rule{{CIDR: netip.MustParsePrefix("203.0.113.0/24")}}}
+		other := netns.Policy{Mode: netns.ModeAllowlist, Allow: []netns.Rule{{CIDR: netip.MustParsePrefix("198.51.100.0/24")}}}
 		if _, err := e.SetPolicy(ctx, a, other); err != nil {
 			t.Fatal(err)
 		}
@@ -292,7 +292,7 @@ func TestIsolation(t *testing.T) {
 			if err := exec.Command("true").Run(); err != nil {
 				t.Fatal(err)
 			}
-			if d := time.Since(t0); d > 5*time.Second {
+			if d := time.Since(t0); d > 15*time.Second {
 				t.Fatalf("sibling exec took %s during the fork bomb", d)
 			}
 			time.Sleep(300 * time.Millisecond)
@@ -413,7 +413,9 @@ func assertNothingLeft(t *testing.T, e *sandbox.Engine) {
 			t.Errorf("link left: %s", l.Name())
 		}
 	}
-	if out, err := exec.Command("nft", "list", "tables").Output(); err == nil && strings.Contains(string(out), hn.Prefix) {
+	if out, err := exec.Command("nft", "list", "tables").Output(); err != nil {
+		t.Errorf("nft list tables: %v", err)
+	} else if strings.Contains(string(out), hn.Prefix) {
 		t.Errorf("nftables tables left:\n%s", out)
 	}
 	parents, _ := filepath.Glob("/sys/fs/cgroup/*/*/*/forkd-" + hn.Prefix)
@@ -421,7 +423,13 @@ func assertNothingLeft(t *testing.T, e *sandbox.Engine) {
 	for _, p := range append(parents, more...) {
 		t.Errorf("cgroup left: %s", p)
 	}
-	out, _ := exec.Command("pgrep", "-f", e.Config().DataDir).Output()
+	if procs := testutil.ProcessesUnder(filepath.Join(e.Config().DataDir, "run")); len(procs) != 0 {
+		t.Errorf("VMM processes of this data dir left: %v", procs)
+	}
+	out, err := exec.Command("pgrep", "-f", e.Config().DataDir).Output()
+	if ee := (*exec.ExitError)(nil); err != nil && !(errors.As(err, &ee) && ee.ExitCode() == 1) { // 1: none matched
+		t.Errorf("pgrep: %v", err)
+	}
 	if len(bytes.TrimSpace(out)) != 0 {
 		t.Errorf("processes of this data dir left: %s", out)
 	}

@@ -218,7 +218,7 @@ func TestServerVM(t *testing.T) {
 		if sb, err := c.SetTimeout(ctx, b.ID, time.Hour); err != nil || time.Until(sb.ExpiresAt) < 50*time.Minute {
 			t.Fatalf("set timeout: %+v %v", sb, err)
 		}
-		waitGone(t, ctx, d, a.ID, a.ExpiresAt.Add(3*time.Second))
+		waitGone(t, ctx, d, a.ID, a.ExpiresAt.Add(5*time.Second))
 		if _, err := c.GetSandbox(ctx, b.ID); err != nil {
 			t.Fatalf("sandbox with a later deadline is gone: %v", err)
 		}
@@ -226,7 +226,7 @@ func TestServerVM(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		waitGone(t, ctx, d, b.ID, sb.ExpiresAt.Add(3*time.Second))
+		waitGone(t, ctx, d, b.ID, sb.ExpiresAt.Add(5*time.Second))
 		assertNoLeak(t, d)
 	})
 

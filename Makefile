@@ -1,5 +1,8 @@
-# forkd: build, quickstart, tests. See README.md.
+# forkd: build, quickstart, tests. See README.md (./run installs make and a
+# Go toolchain first on a fresh machine, then calls these targets).
 GO ?= go
+# gofmt of the same toolchain as $(GO).
+GOFMT ?= $(if $(findstring /,$(GO)),$(dir $(GO))gofmt,gofmt)
 FORKD_TEST_TIMEOUT ?= 60m
 # Built images (kernel, initramfs, debootstrapped rootfs) are shared by every
 # test package and kept between runs.
@@ -26,7 +29,7 @@ vet:
 	$(GO) vet ./...
 
 fmt-check:
-	@out=$$(gofmt -l cmd internal api client e2e); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
+	@out=$$($(GOFMT) -l cmd internal api client e2e); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 
 # Unit, root and VM tiers. As root with the packages installed every tier
 # runs; FORKD_TEST_STRICT=1 (set by CI) turns any skip into a failure.

@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/forkd/forkd/internal/proc"
 	"github.com/forkd/forkd/internal/testutil"
 )
 
@@ -128,8 +129,8 @@ func TestRootOOMKill(t *testing.T) {
 	if oom, _ := calm.OOMKilled(); oom {
 		t.Fatal("sibling reports an OOM kill")
 	}
-	if err := sleeper.Process.Signal(syscall.Signal(0)); err != nil {
-		t.Fatalf("sibling died: %v", err)
+	if !running(sleeper) {
+		t.Fatal("sibling died")
 	}
 	procs, _ := readPIDs(calm.dir(Memory))
 	if len(procs) != 1 || procs[0] != sleeper.Process.Pid {
@@ -226,8 +227,13 @@ func TestRootReclaim(t *testing.T) {
 	if names, _ := m.List(); len(names) != 1 || names[0] != "r2" {
 		t.Fatalf("after reclaim: %v", names)
 	}
-	if procs[1].Process.Signal(syscall.Signal(0)) != nil {
+	if !running(procs[1]) {
 		t.Fatal("live group's process killed")
+	}
+	for _, i := range []int{0, 2} {
+		if running(procs[i]) {
+			t.Fatalf("process of reclaimed group r%d still runs", i+1)
+		}
 	}
 	if err := m.Reclaim(func(string) bool { return false }); err != nil {
 		t.Fatal(err)
@@ -237,4 +243,13 @@ func TestRootReclaim(t *testing.T) {
 			t.Fatal("process survived reclaim")
 		}
 	}
+}
+
+// running reports whether cmd's process still runs. Signal 0 cannot tell:
+// a child that exited but was not waited for lingers as a zombie, which
+// signal 0 still reaches (and ProcessState is set only by Wait). proc.Alive
+// counts a zombie as exited.
+func running(cmd *exec.Cmd) bool {
+	id, err := proc.Self(cmd.Process.Pid)
+	return err == nil && proc.Alive(id)
 }

@@ -19,6 +19,7 @@ import (
 
 	"github.com/forkd/forkd/internal/cgroup"
 	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/proc"
 	"github.com/forkd/forkd/internal/testutil"
 )
 
@@ -154,14 +155,17 @@ func TestStartIn(t *testing.T) {
 func TestProbe(t *testing.T) {
 	testutil.RequireRoot(t)
 	dir := t.TempDir()
+	// Probe makes dir a shared mount point, and may have done so before it
+	// fails; undo it whatever happens, before TempDir's cleanup (cleanups
+	// run last registered first). Unmounting a dir that is not a mount
+	// point fails harmlessly.
+	t.Cleanup(func() { unix.Unmount(dir, unix.MNT_DETACH) })
 	if err := Probe(context.Background(), dir); err != nil {
 		t.Fatal(err)
 	}
 	if ents, _ := os.ReadDir(dir); len(ents) != 0 {
 		t.Fatalf("probe left %v", ents)
 	}
-	// dir was made a shared mount point; undo it for TempDir's cleanup.
-	unix.Unmount(dir, unix.MNT_DETACH)
 }
 
 // TestQEMUAttaches starts a real QEMU (paused, no guest) on a slot's tap:
@@ -182,13 +186,21 @@ func TestQEMUAttaches(t *testing.T) {
 		l, err := h.LinkByName(TapName)
 		return err == nil && l.Attrs().RawFlags&unix.IFF_LOWER_UP != 0
 	}
+	// running reports whether cmd's process still runs. Neither signal 0
+	// nor ProcessState can tell: our unwaited child lingers as a zombie,
+	// which signal 0 still reaches, and ProcessState is set only by Wait.
+	// proc.Alive counts a zombie as exited.
+	running := func(cmd *exec.Cmd) bool {
+		id, err := proc.Self(cmd.Process.Pid)
+		return err == nil && proc.Alive(id)
+	}
 	waitCarrier := func(cmd *exec.Cmd, log *strings.Builder) {
 		t.Helper()
 		for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
 			if carrier() {
 				return
 			}
-			if cmd.ProcessState != nil {
+			if !running(cmd) {
 				break
 			}
 		}
@@ -234,7 +246,7 @@ func TestQEMUAttaches(t *testing.T) {
 	tap.Close()
 	waitCarrier(outside, &log2)
 	time.Sleep(200 * time.Millisecond)
-	if outside.ProcessState != nil || outside.Process.Signal(syscall.Signal(0)) != nil {
+	if !running(outside) {
 		t.Fatalf("unprivileged QEMU exited: %s", log2.String())
 	}
 	stop(outside)

@@ -20,11 +20,15 @@ import (
 	"github.com/forkd/forkd/internal/testutil"
 )
 
-// chardev models QEMU's socket chardev behind a virtconsole: the guest's
-// stream never ends, hosts connect and disconnect over unix sockets, what
-// the guest writes while no host is connected is lost, and so is what the
-// host's socket cannot take at once (QEMU drops console output on EAGAIN).
-type chardev struct {
+// fakeChardev is a fake standing in for QEMU's socket chardev behind a
+// virtconsole, so that these tests can run the guest agent in-process and
+// inject loss and backpressure at will (dropNext, a host that reads
+// slowly). It models the real one: the guest's stream never ends, hosts
+// connect and disconnect over unix sockets, what the guest writes while no
+// host is connected is lost, and so is what the host's socket cannot take
+// at once (QEMU drops console output on EAGAIN). TestAgentInVM (vm_test.go)
+// runs the agent behind QEMU's real chardev.
+type fakeChardev struct {
 	t       *testing.T
 	toGuest *os.File // the test writes what the guest reads
 	mu      sync.Mutex
@@ -76,8 +80,8 @@ func (f *fakeSystem) system() guest.System {
 	}
 }
 
-// startGuest runs an agent on a new chardev. System effects are faked.
-func startGuest(t *testing.T, cfg guest.Config) *chardev {
+// startGuest runs an agent on a new fakeChardev. System effects are faked.
+func startGuest(t *testing.T, cfg guest.Config) *fakeChardev {
 	t.Helper()
 	inR, inW, err := os.Pipe()
 	if err != nil {
@@ -87,7 +91,7 @@ func startGuest(t *testing.T, cfg guest.Config) *chardev {
 	if err != nil {
 		t.Fatal(err)
 	}
-	cd := &chardev{t: t, toGuest: inW, sys: &fakeSystem{}}
+	cd := &fakeChardev{t: t, toGuest: inW, sys: &fakeSystem{}}
 	cfg.System = cd.sys.system()
 	if cfg.PartialTimeout == 0 {
 		cfg.PartialTimeout = 500 * time.Millisecond
@@ -114,7 +118,7 @@ func startGuest(t *testing.T, cfg guest.Config) *chardev {
 // relayOut copies the guest's output to the connected host, if any, in
 // chunks of at most a page like the virtio console, with non-blocking
 // writes whose excess is dropped.
-func (cd *chardev) relayOut(r *os.File) {
+func (cd *fakeChardev) relayOut(r *os.File) {
 	buf := make([]byte, 4096)
 	for {
 		n, err := r.Read(buf)
@@ -151,7 +155,7 @@ func writeNonBlocking(f *os.File, p []byte) int {
 }
 
 // connect attaches a new host and returns its connection.
-func (cd *chardev) connect() net.Conn {
+func (cd *fakeChardev) connect() net.Conn {
 	cd.t.Helper()
 	fds, err := syscall.Socketpair(syscall.AF_UNIX, syscall.SOCK_STREAM|syscall.SOCK_CLOEXEC|syscall.SOCK_NONBLOCK, 0)
 	if err != nil {
@@ -181,7 +185,7 @@ func (cd *chardev) connect() net.Conn {
 }
 
 // disconnect drops the connected host, as QEMU does when its peer closes.
-func (cd *chardev) disconnect() {
+func (cd *fakeChardev) disconnect() {
 	cd.mu.Lock()
 	h := cd.host
 	cd.host = nil
@@ -192,7 +196,7 @@ func (cd *chardev) disconnect() {
 }
 
 // dial connects a new host and performs the handshake.
-func (cd *chardev) dial() *agent.Client {
+func (cd *fakeChardev) dial() *agent.Client {
 	cd.t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
 	defer cancel()

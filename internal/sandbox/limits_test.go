@@ -11,7 +11,11 @@ import (
 	"github.com/forkd/forkd/internal/vmm"
 )
 
-// fakeBackend starts nothing; the admission and expiry logic needs no VM.
+// fakeBackend is a fake vmm.Backend that starts nothing: Boot and Restore
+// fail with NotImplemented and Attach finds nothing. It is enough because
+// the admission, expiry and starter logic tested with it works on the
+// engine's records and counters, never on a running VM; the VM paths are
+// tested against QEMU in the *_vm_test.go files.
 type fakeBackend struct{}
 
 func (fakeBackend) Name() string                            { return "fake" }

@@ -22,24 +22,27 @@ import (
 	"github.com/forkd/forkd/internal/vmm"
 )
 
-// noVMs is a backend that starts nothing: the unit tier exercises
-// everything the API does before a VM would start.
-type noVMs struct{}
+// fakeNoVMs is a fake vmm.Backend that starts nothing: Boot and Restore
+// fail with NotImplemented and Attach finds nothing. The tests that use it
+// exercise what the API does before a VM would start (request decoding,
+// validation, auth, routing, error mapping), which needs no QEMU; the real
+// backend is exercised by the VM tier in server_vm_test.go.
+type fakeNoVMs struct{}
 
-func (noVMs) Name() string                            { return "none" }
-func (noVMs) Version(context.Context) (string, error) { return "0", nil }
-func (noVMs) Capabilities() vmm.Capabilities          { return vmm.Capabilities{Accelerator: "none"} }
-func (noVMs) Boot(context.Context, vmm.BootSpec) (vmm.Machine, error) {
+func (fakeNoVMs) Name() string                            { return "none" }
+func (fakeNoVMs) Version(context.Context) (string, error) { return "0", nil }
+func (fakeNoVMs) Capabilities() vmm.Capabilities          { return vmm.Capabilities{Accelerator: "none"} }
+func (fakeNoVMs) Boot(context.Context, vmm.BootSpec) (vmm.Machine, error) {
 	return nil, errdefs.NotImplemented("no VMs here")
 }
-func (noVMs) Restore(context.Context, vmm.RestoreSpec) (vmm.Machine, error) {
+func (fakeNoVMs) Restore(context.Context, vmm.RestoreSpec) (vmm.Machine, error) {
 	return nil, errdefs.NotImplemented("no VMs here")
 }
-func (noVMs) Attach(context.Context, vmm.Handle) (vmm.Machine, error) {
+func (fakeNoVMs) Attach(context.Context, vmm.Handle) (vmm.Machine, error) {
 	return nil, errdefs.NotFound("no VMs here")
 }
 
-var _ vmm.Backend = noVMs{}
+var _ vmm.Backend = fakeNoVMs{}
 
 const testToken = "3f9c2b1e7a6d5c4b3a29181706f5e4d3"
 
@@ -89,6 +92,9 @@ func startDaemon(t testing.TB, be vmm.Backend, lim sandbox.Limits, tune func(*sa
 	if err != nil {
 		t.Fatal(err)
 	}
+	// Registered now, so a Fatal below does not leak the directory; it runs
+	// after the cleanup that stops the server, which is registered later.
+	t.Cleanup(func() { os.RemoveAll(sockDir) })
 	d.sock = filepath.Join(sockDir, "s")
 	uln, err := net.Listen("unix", d.sock)
 	if err != nil {
@@ -115,7 +121,6 @@ func startDaemon(t testing.TB, be vmm.Backend, lim sandbox.Limits, tune func(*sa
 		e.KillAll(kctx, "")
 		d.stop(t)
 		e.Close()
-		os.RemoveAll(sockDir)
 	})
 	return d
 }
@@ -182,7 +187,7 @@ func apiError(t testing.TB, b []byte) apiv1.Error {
 }
 
 func TestAuth(t *testing.T) {
-	d := startDaemon(t, noVMs{}, sandbox.Limits{}, nil)
+	d := startDaemon(t, fakeNoVMs{}, sandbox.Limits{}, nil)
 	if code, b := d.call(t, "GET", "/healthz", "", nil); code != 200 || !strings.Contains(string(b), `"ok"`) {
 		t.Errorf("healthz without token: %d %s", code, b)
 	}
@@ -228,7 +233,7 @@ func TestAuth(t *testing.T) {
 }
 
 func TestNotFoundAndMethods(t *testing.T) {
-	d := startDaemon(t, noVMs{}, sandbox.Limits{}, nil)
+	d := startDaemon(t, fakeNoVMs{}, sandbox.Limits{}, nil)
 	cases := []struct {
 		method, path string
 		status       int
@@ -269,7 +274,7 @@ func TestNotFoundAndMethods(t *testing.T) {
 }
 
 func TestHostileCreateChangesNothing(t *testing.T) {
-	d := startDaemon(t, noVMs{}, sandbox.Limits{}, nil)
+	d := startDaemon(t, fakeNoVMs{}, sandbox.Limits{}, nil)
 	huge := `{"snapshot_tag":"base","metadata":{"k":"` + strings.Repeat("x", 10<<20) + `"}}`
 	cases := []struct {
 		name, body string
@@ -357,7 +362,7 @@ func manyKeys(n int) string {
 }
 
 func TestOpenAPIMatchesRoutes(t *testing.T) {
-	d := startDaemon(t, noVMs{}, sandbox.Limits{}, nil)
+	d := startDaemon(t, fakeNoVMs{}, sandbox.Limits{}, nil)
 	code, b := d.call(t, "GET", "/v1/openapi.json", "", nil)
 	if code != 200 {
 		t.Fatalf("openapi.json: %d %s", code, b)
@@ -420,7 +425,7 @@ func mustJSON(v any) []byte {
 }
 
 func TestMetrics(t *testing.T) {
-	d := startDaemon(t, noVMs{}, sandbox.Limits{}, nil)
+	d := startDaemon(t, fakeNoVMs{}, sandbox.Limits{}, nil)
 	d.call(t, "GET", "/v1/sandboxes", testToken, nil)
 	code, b := d.call(t, "GET", "/metrics", testToken, nil)
 	if code != 200 {

@@ -157,7 +157,32 @@ func TestCopyAndPrivateWrites(t *testing.T) {
 		Children []struct{ ID string } `json:"children"`
 	}
 	json.Unmarshal([]byte(c.ok("fork", "--tag", "big", "-n", "2", "--json")), &fork)
+	if len(fork.Children) != 2 {
+		t.Fatalf("fork -n 2 made %d children", len(fork.Children))
+	}
 	a, b := fork.Children[0].ID, fork.Children[1].ID
+	type snapshotView struct {
+		Tag       string `json:"tag"`
+		Status    string `json:"status"`
+		SizeBytes int64  `json:"size_bytes"`
+		Refcount  int    `json:"refcount"`
+		Error     string `json:"error"`
+	}
+	var img struct {
+		Snapshots []snapshotView `json:"snapshots"`
+	}
+	big := func() snapshotView {
+		t.Helper()
+		img.Snapshots = nil
+		if err := json.Unmarshal([]byte(c.ok("images", "--json")), &img); err != nil {
+			t.Fatal(err)
+		}
+		if len(img.Snapshots) != 1 || img.Snapshots[0].Tag != "big" {
+			t.Fatalf("images: %+v, want only big", img.Snapshots)
+		}
+		return img.Snapshots[0]
+	}
+	before := big()
 
 	dir := t.TempDir()
 	src := filepath.Join(dir, "src")
@@ -188,12 +213,12 @@ func TestCopyAndPrivateWrites(t *testing.T) {
 	if _, _, code := c.run("exec", b, "--", "test", "-e", "/usr/bin/env"); code != 0 {
 		t.Fatal("a deletion in one child reached its sibling")
 	}
-	var img struct {
-		Snapshots []struct {
-			Tag string `json:"tag"`
-		} `json:"snapshots"`
+	// The snapshot both children run from is untouched by their writes:
+	// still ready and no bigger on disk (a 100 MiB file that reached it
+	// would show), used by exactly those two.
+	if after := big(); after.Status != "ready" || after.Error != "" || after.SizeBytes != before.SizeBytes || after.Refcount != 2 {
+		t.Fatalf("snapshot big after the children's writes: %+v, before them: %+v", after, before)
 	}
-	json.Unmarshal([]byte(c.ok("images", "--json")), &img)
 	// A fresh child of the same snapshot sees the pristine image.
 	json.Unmarshal([]byte(c.ok("fork", "--tag", "big", "-n", "1", "--json")), &fork)
 	if _, _, code := c.run("exec", fork.Children[0].ID, "--", "test", "-e", "/usr/bin/env"); code != 0 {

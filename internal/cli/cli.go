@@ -60,6 +60,10 @@ func Main(args []string) int {
 	if errors.As(err, &ee) {
 		return ee.code
 	}
+	if ctx.Err() != nil && errors.Is(err, context.Canceled) {
+		fmt.Fprintln(g.stderr, "forkd: interrupted")
+		return 130 // as shells report an interrupted command
+	}
 	fmt.Fprintf(g.stderr, "forkd: %v\n", err)
 	if errdefs.IsInvalidArgument(err) {
 		return 2

@@ -2,6 +2,7 @@ package cli
 
 import (
 	"context"
+	"errors"
 	"io"
 	"os"
 	"path/filepath"
@@ -23,7 +24,7 @@ func newCpCmd(g *globals) *cobra.Command {
 			srcID, srcPath := splitRemote(args[0])
 			dstID, dstPath := splitRemote(args[1])
 			if (srcID == "") == (dstID == "") {
-				return errdefs.InvalidArgument("exactly one side must be ID:GUESTPATH")
+				return errdefs.InvalidArgument("exactly one side must be ID:GUESTPATH (ID: sb- and 10 characters)")
 			}
 			id, guest := srcID, srcPath
 			if dstID != "" {
@@ -56,16 +57,31 @@ func newCpCmd(g *globals) *cobra.Command {
 			if st, err := os.Stat(target); err == nil && st.IsDir() {
 				target = filepath.Join(target, filepath.Base(guest))
 			}
-			return fsutil.WriteWith(target, 0o600, func(w io.Writer) error {
+			mode := os.FileMode(0o600) // a new file: the guest's bytes are private
+			if st, err := os.Stat(target); err == nil {
+				if !st.Mode().IsRegular() {
+					// A device, FIFO or what a symlink names (/dev/null,
+					// /dev/stdout): written in place, never replaced.
+					f, err := os.OpenFile(target, os.O_WRONLY|os.O_TRUNC, 0)
+					if err != nil {
+						return err
+					}
+					err = files.read(cmd.Context(), guest, f)
+					return errors.Join(err, f.Close())
+				}
+				mode = st.Mode().Perm() // an existing file keeps its mode
+			}
+			return fsutil.WriteWith(target, mode, func(w io.Writer) error {
 				return files.read(cmd.Context(), guest, w)
 			})
 		},
 	}
 }
 
-// splitRemote splits "ID:PATH" when the part before ':' looks like an id.
+// splitRemote splits "ID:PATH" when the part before ':' is a sandbox id;
+// anything else (a host path such as sb-notes:v2.txt) is a host path.
 func splitRemote(arg string) (id, path string) {
-	if before, after, ok := strings.Cut(arg, ":"); ok && strings.HasPrefix(before, "sb-") {
+	if before, after, ok := strings.Cut(arg, ":"); ok && sandbox.ValidateID(before) == nil {
 		return before, after
 	}
 	return "", arg

@@ -2,7 +2,6 @@ package cli
 
 import (
 	"fmt"
-	"io"
 	"strings"
 
 	"github.com/spf13/cobra"
@@ -22,7 +21,7 @@ func newEvalCmd(g *globals) *cobra.Command {
 		RunE: func(cmd *cobra.Command, args []string) error {
 			code := strings.Join(args[1:], " ")
 			if len(args) == 1 {
-				b, err := io.ReadAll(io.LimitReader(g.stdin, 16<<20))
+				b, err := readInput(cmd.Context(), g.stdin, "code on stdin", 16<<20)
 				if err != nil {
 					return err
 				}

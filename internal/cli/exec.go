@@ -1,7 +1,6 @@
 package cli
 
 import (
-	"io"
 	"time"
 
 	"github.com/spf13/cobra"
@@ -39,7 +38,7 @@ func newExecCmd(g *globals) *cobra.Command {
 				req := apiv1.ExecRequest{Args: args[1:], Env: envMap, Cwd: cwd, User: user, TimeoutSecs: timeout.Seconds()}
 				if stdin {
 					// The API takes stdin whole, in the request.
-					if req.Stdin, err = io.ReadAll(io.LimitReader(g.stdin, 16<<20)); err != nil {
+					if req.Stdin, err = readInput(cmd.Context(), g.stdin, "stdin through the daemon", 16<<20); err != nil {
 						return err
 					}
 				}
@@ -85,6 +84,8 @@ func exitFor(code int, sig string, timedOut bool) error {
 		return &exitError{code: 124}
 	case sig != "":
 		return &exitError{code: 128 + signalNumber(sig)}
+	case code < 0: // ended without a status the guest could read
+		return &exitError{code: 1}
 	case code != 0:
 		return &exitError{code: code}
 	}

@@ -46,8 +46,25 @@ func newForkCmd(g *globals) *cobra.Command {
 			if res == nil && err != nil {
 				return err
 			}
+			ready := 0
+			for _, c := range res.Children {
+				if c.Err == nil {
+					ready++
+				}
+			}
 			if asJSON {
-				if jerr := writeJSON(g.stdout, res); jerr != nil {
+				// Only the children that came up, as through the daemon;
+				// the failures are on stderr and in the exit code.
+				out := *res
+				out.Children = []sandbox.Child{}
+				for _, c := range res.Children {
+					if c.Err == nil {
+						out.Children = append(out.Children, c)
+					} else {
+						fmt.Fprintf(g.stderr, "%s failed: %v\n", c.ID, c.Err)
+					}
+				}
+				if jerr := writeJSON(g.stdout, &out); jerr != nil {
 					return jerr
 				}
 			} else {
@@ -58,7 +75,7 @@ func newForkCmd(g *globals) *cobra.Command {
 					}
 					fmt.Fprintf(g.stdout, "%s\t%.0f ms\n", c.ID, c.ReadyMS)
 				}
-				fmt.Fprintf(g.stderr, "%d children of %s ready in %.0f ms\n", len(res.Children), req.SnapshotTag, res.WallMS)
+				fmt.Fprintf(g.stderr, "%d of %d children of %s ready in %.0f ms\n", ready, len(res.Children), req.SnapshotTag, res.WallMS)
 			}
 			return err
 		},

@@ -2,6 +2,7 @@ package cli
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"time"
 
@@ -75,30 +76,31 @@ func newRmiCmd(g *globals) *cobra.Command {
 					return err
 				}
 			}
+			// Each tag is tried; the ones removed are printed, the others'
+			// errors joined (exit non-zero), as kill does.
+			remove := func(rm func(string) error) error {
+				var errs []error
+				for _, tag := range tags {
+					if err := rm(tag); err != nil {
+						errs = append(errs, fmt.Errorf("%s: %w", tag, err))
+						continue
+					}
+					fmt.Fprintln(g.stdout, tag)
+				}
+				return errors.Join(errs...)
+			}
 			if c, err := g.remote(cmd.Context()); err != nil {
 				return err
 			} else if c != nil {
 				defer c.Close()
-				for _, tag := range tags {
-					if err := c.DeleteSnapshot(cmd.Context(), tag); err != nil {
-						return err
-					}
-					fmt.Fprintln(g.stdout, tag)
-				}
-				return nil
+				return remove(func(tag string) error { return c.DeleteSnapshot(cmd.Context(), tag) })
 			}
 			e, err := g.engine()
 			if err != nil {
 				return err
 			}
 			defer e.Close()
-			for _, tag := range tags {
-				if err := e.RemoveSnapshot(tag); err != nil {
-					return err
-				}
-				fmt.Fprintln(g.stdout, tag)
-			}
-			return nil
+			return remove(e.RemoveSnapshot)
 		},
 	}
 }

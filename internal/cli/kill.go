@@ -11,6 +11,7 @@ import (
 	"github.com/forkd/forkd/internal/errdefs"
 	"github.com/forkd/forkd/internal/sandbox"
 	"github.com/forkd/forkd/internal/snapshot"
+	"github.com/forkd/forkd/internal/state"
 )
 
 func newKillCmd(g *globals) *cobra.Command {
@@ -77,6 +78,11 @@ func killRemote(ctx context.Context, g *globals, c *client.Client, ids []string,
 		}
 		ids = ids[:0]
 		for _, sb := range list {
+			// As the engine's KillAll: a parent being built belongs to
+			// its build, a child still starting to its fork.
+			if sb.Status == state.StatusBuilding || sb.Status == state.StatusStarting || sb.Status == state.StatusParked {
+				continue
+			}
 			ids = append(ids, sb.ID)
 		}
 	}

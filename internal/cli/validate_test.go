@@ -2,6 +2,8 @@ package cli
 
 import (
 	"bytes"
+	"context"
+	"errors"
 	"io"
 	"os"
 	"path/filepath"
@@ -208,5 +210,36 @@ func TestFromImageCheckedBeforeImport(t *testing.T) {
 	touched, err := runCLI(t, "from-image", tarball, "--tag", "python")
 	if !errdefs.IsAlreadyExists(err) || touched {
 		t.Errorf("from-image --tag python: %v (data dir made: %v), want a built-in name refused", err, touched)
+	}
+}
+
+func TestSplitRemote(t *testing.T) {
+	for arg, want := range map[string][2]string{
+		"sb-abcdefghij:/root/f": {"sb-abcdefghij", "/root/f"},
+		"sb-notes:v2.txt":       {"", "sb-notes:v2.txt"}, // a host file
+		"./a:b":                 {"", "./a:b"},
+		"/tmp/x":                {"", "/tmp/x"},
+	} {
+		if id, path := splitRemote(arg); id != want[0] || path != want[1] {
+			t.Errorf("splitRemote(%q) = %q, %q; want %q, %q", arg, id, path, want[0], want[1])
+		}
+	}
+}
+
+func TestReadInput(t *testing.T) {
+	if b, err := readInput(context.Background(), strings.NewReader("print(1)"), "code", 1<<20); err != nil || string(b) != "print(1)" {
+		t.Fatalf("readInput = %q, %v", b, err)
+	}
+	if _, err := readInput(context.Background(), strings.NewReader(strings.Repeat("x", 1<<20+1)), "code", 1<<20); !errdefs.IsInvalidArgument(err) {
+		t.Fatalf("over the limit: %v", err)
+	}
+	// A reader that never ends (a terminal nobody types into) gives way
+	// to a cancel.
+	pr, pw := io.Pipe()
+	defer pw.Close()
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	if _, err := readInput(ctx, pr, "code", 1<<20); !errors.Is(err, context.Canceled) {
+		t.Fatalf("cancelled read = %v", err)
 	}
 }

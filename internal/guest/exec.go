@@ -15,7 +15,6 @@ import (
 
 	"github.com/forkd/forkd/internal/agent/proto"
 	"github.com/forkd/forkd/internal/errdefs"
-	"golang.org/x/sys/unix"
 )
 
 const (
@@ -267,7 +266,7 @@ func result(pid int, st exitStatus, start time.Time, timedOut bool) *proto.ExecR
 		res.ExitCode = -1
 	case st.ws.Signaled():
 		res.ExitCode = -1
-		res.Signal = unix.SignalName(st.ws.Signal())
+		res.Signal = signalName(st.ws.Signal())
 	default:
 		res.ExitCode = st.ws.ExitStatus()
 	}

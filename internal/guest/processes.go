@@ -199,7 +199,16 @@ func (a *Agent) processWait(ctx context.Context, r *request, args json.RawMessag
 	}
 }
 
-// parseSignal accepts "SIGTERM", "TERM", "term" or "15".
+// signalName names sig as "SIGTERM"; a signal without a name (the
+// real-time ones) as "SIG35", which parseSignal reads back.
+func signalName(sig syscall.Signal) string {
+	if name := unix.SignalName(sig); name != "" {
+		return name
+	}
+	return "SIG" + strconv.Itoa(int(sig))
+}
+
+// parseSignal accepts "SIGTERM", "TERM", "term", "15" or "SIG35".
 func parseSignal(s string) (syscall.Signal, error) {
 	if n, err := strconv.Atoi(s); err == nil && n > 0 && n < 65 {
 		return syscall.Signal(n), nil
@@ -210,6 +219,9 @@ func parseSignal(s string) (syscall.Signal, error) {
 	}
 	if sig := unix.SignalNum(name); sig != 0 {
 		return sig, nil
+	}
+	if n, err := strconv.Atoi(strings.TrimPrefix(name, "SIG")); err == nil && n > 0 && n < 65 {
+		return syscall.Signal(n), nil
 	}
 	return 0, errdefs.InvalidArgument("unknown signal %q", s)
 }

@@ -8,8 +8,6 @@ import (
 	"strconv"
 	"sync"
 	"syscall"
-
-	"golang.org/x/sys/unix"
 )
 
 // exitStatus is how a child ended. err is set when its status could not be
@@ -161,7 +159,7 @@ func describeStatus(ws syscall.WaitStatus) string {
 	case ws.Exited():
 		return "exit " + strconv.Itoa(ws.ExitStatus())
 	case ws.Signaled():
-		return "signal " + unix.SignalName(ws.Signal())
+		return "signal " + signalName(ws.Signal())
 	}
 	return "status " + strconv.Itoa(int(ws))
 }

@@ -87,6 +87,9 @@ func killAll(dir string) {
 		return
 	}
 	for _, pid := range pids {
+		if pid == os.Getpid() {
+			continue // a thread of ours left behind by a failed move back
+		}
 		fd, err := unix.PidfdOpen(pid, 0)
 		if err != nil {
 			continue

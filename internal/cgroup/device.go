@@ -25,7 +25,12 @@ func DeviceOf(path string) (major, minor uint32, err error) {
 	if _, err := os.Stat(filepath.Join(sys, "partition")); err != nil {
 		return major, minor, nil
 	}
-	b, err := os.ReadFile(filepath.Join(sys, "..", "dev"))
+	// /sys/dev/block/M:m links to the partition's dir inside its disk's.
+	part, err := filepath.EvalSymlinks(sys)
+	if err != nil {
+		return 0, 0, fmt.Errorf("disk of partition %d:%d: %w", major, minor, err)
+	}
+	b, err := os.ReadFile(filepath.Join(filepath.Dir(part), "dev"))
 	if err != nil {
 		return 0, 0, fmt.Errorf("disk of partition %d:%d: %w", major, minor, err)
 	}

@@ -243,6 +243,13 @@ func (g *Group) Add(pid int) error {
 	return nil
 }
 
+// The main goroutine keeps the main thread, the thread-group leader, for
+// the life of any program using this package (a LockOSThread in init makes
+// main run there), so that no other goroutine ever runs on it: EnterProcs
+// moves the calling goroutine's thread into a child's v1 cgroups, and on v1
+// the leader's memory cgroup is the whole process's.
+func init() { runtime.LockOSThread() }
+
 // EnterProcs moves the calling goroutine's OS thread, locked to it, into
 // the v1 cgroups whose cgroup.procs files are procs (a Placement's Procs),
 // so that a process forked from it starts inside them: nothing it does is
@@ -268,6 +275,13 @@ func (m *Manager) EnterProcs(procs []string) (restore func() error, err error) {
 		moves = append(moves, move{dir, back})
 	}
 	runtime.LockOSThread()
+	if unix.Gettid() == unix.Getpid() {
+		// The thread-group leader: on v1 its memory cgroup is the whole
+		// process's, so the daemon would be charged to (and OOM-killed
+		// with) the child. main locks the main goroutine to it.
+		runtime.UnlockOSThread()
+		return nil, errdefs.FailedPrecondition("cgroup placement from the main thread, which must stay the main goroutine's")
+	}
 	tid := strconv.Itoa(unix.Gettid())
 	var undo cleanup.Stack
 	for _, mv := range moves {

@@ -99,7 +99,7 @@ func (g *Group) setLimits(l Limits) error {
 	if l.CPUs > 0 || l.CPUWeight > 0 {
 		d, v2 := g.dir(CPU), g.m.place[CPU].v2
 		const period = 100000
-		quota := max(int64(l.CPUs*period), 1000)
+		quota := max(int64(math.Round(l.CPUs*period)), 1000)
 		switch {
 		case l.CPUs > 0 && v2:
 			if err := write(d, "cpu.max", fmt.Sprintf("%d %d", quota, period)); err != nil {
@@ -165,14 +165,18 @@ func (g *Group) setIO(l Limits) error {
 		return nil
 	}
 	if l.IOWeight > 0 {
-		w := strconv.FormatUint(min(max(l.IOWeight/10, 10), 1000), 10)
+		// The v2 weight (1-10000, default 100) in v1's scales, as systemd
+		// maps them: blkio.weight 10-1000 (default 500), bfq 1-1000
+		// (default 100).
+		w := strconv.FormatUint(min(max(l.IOWeight*5, 10), 1000), 10)
+		bfq := strconv.FormatUint(min(max(l.IOWeight/10, 1), 1000), 10)
 		switch {
 		case exists(d, "blkio.weight"):
 			if err := write(d, "blkio.weight", w); err != nil {
 				return err
 			}
 		case exists(d, "blkio.bfq.weight"):
-			if err := write(d, "blkio.bfq.weight", w); err != nil {
+			if err := write(d, "blkio.bfq.weight", bfq); err != nil {
 				return err
 			}
 		default:

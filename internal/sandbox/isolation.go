@@ -52,6 +52,10 @@ func (n *NetSpec) validate() error {
 	return nil
 }
 
+// MinPIDs is the lowest pids limit a sandbox may have: its VMM's threads
+// count against it.
+const MinPIDs = 32
+
 // validateLimits checks limits before any cgroup is made.
 func validateLimits(l *state.Limits) error {
 	if l == nil {
@@ -64,6 +68,9 @@ func validateLimits(l *state.Limits) error {
 		return errdefs.InvalidArgument("cpus %g: want 0.01 to 1024 CPUs (0 for no limit)", l.CPUs)
 	case l.PIDs < 0 || l.PIDs > 1<<22:
 		return errdefs.InvalidArgument("pids limit %d: want a positive number", l.PIDs)
+	case l.PIDs > 0 && l.PIDs < MinPIDs:
+		// The limit counts the VMM's own threads (vCPUs, IO, RCU, ...).
+		return errdefs.InvalidArgument("pids limit %d is too low for the VMM's own threads: want at least %d", l.PIDs, MinPIDs)
 	case l.IOWeight > 10000:
 		return errdefs.InvalidArgument("io weight %d: want 1 to 10000", l.IOWeight)
 	}

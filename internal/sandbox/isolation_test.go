@@ -49,7 +49,7 @@ func TestValidateLimits(t *testing.T) {
 		}
 	}
 	for _, bad := range []*state.Limits{{CPUs: math.NaN()}, {CPUs: math.Inf(1)}, {CPUs: 0.005}, {CPUs: -1},
-		{MemoryMiB: -1}, {PIDs: -1}, {IOWeight: 10001}} {
+		{MemoryMiB: -1}, {PIDs: -1}, {PIDs: 1}, {PIDs: MinPIDs - 1}, {IOWeight: 10001}} {
 		if err := validateLimits(bad); !errdefs.IsInvalidArgument(err) {
 			t.Errorf("%+v: %v, want invalid argument", bad, err)
 		}

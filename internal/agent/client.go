@@ -71,11 +71,12 @@ type Client struct {
 	owed    atomic.Int64
 	ackWake chan struct{}
 
-	mu     sync.Mutex
-	nextID uint32           // guarded by mu
-	calls  map[uint32]*call // guarded by mu
-	err    error            // guarded by mu; why the client stopped
-	done   chan struct{}    // closed once err is set
+	mu      sync.Mutex
+	nextID  uint32           // guarded by mu
+	calls   map[uint32]*call // guarded by mu
+	err     error            // guarded by mu; why the client stopped
+	done    chan struct{}    // closed once err is set
+	cancels atomic.Int64     // cancel frames being written
 }
 
 // call is one request in flight.
@@ -229,6 +230,9 @@ func (c *Client) Close() error {
 	c.mu.Unlock()
 	if !stopped {
 		c.writeCap.Store(time.Now().Add(time.Second).UnixNano())
+		for deadline := time.Now().Add(time.Second); c.cancels.Load() > 0 && time.Now().Before(deadline); {
+			time.Sleep(2 * time.Millisecond)
+		}
 		for _, id := range pending {
 			if c.w.WriteFrame(proto.Frame{Type: proto.TypeCancel, ID: id}) != nil {
 				break
@@ -439,7 +443,15 @@ func (c *Client) forget(cl *call) {
 // frame is written in the background so that a stuck connection cannot
 // hold up a caller whose context ended.
 func (c *Client) cancel(cl *call) {
-	go c.w.WriteFrame(proto.Frame{Type: proto.TypeCancel, ID: cl.id})
+	// Written in the background (a guest slow to read must not hold up
+	// the caller), but Close waits for it: a CLI interrupted by Ctrl-C
+	// closes its client at once, and the cancel must reach the guest
+	// before the connection goes, or the command runs on.
+	c.cancels.Add(1)
+	go func() {
+		defer c.cancels.Add(-1)
+		c.w.WriteFrame(proto.Frame{Type: proto.TypeCancel, ID: cl.id})
+	}()
 	c.forget(cl)
 }
 

@@ -227,7 +227,7 @@ func applyEntry(t *rootfs.Tree, tr *tar.Reader, hdr *tar.Header, name string, cr
 				return err
 			}
 		}
-	case tar.TypeReg, tar.TypeRegA: //nolint:staticcheck // TypeRegA appears in old layers
+	case tar.TypeReg: // archive/tar reads the old TypeRegA as TypeReg (or TypeDir)
 		f, err := t.Create(name, 0o600)
 		if err != nil {
 			return err

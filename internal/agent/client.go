@@ -229,7 +229,11 @@ func (c *Client) Close() error {
 	stopped := c.err != nil
 	c.mu.Unlock()
 	if !stopped {
-		c.writeCap.Store(time.Now().Add(time.Second).UnixNano())
+		limit := time.Now().Add(time.Second)
+		c.writeCap.Store(limit.UnixNano())
+		// A write already blocked (a guest that stopped reading) is cut at
+		// the same limit, not at its own 30 s deadline.
+		c.conn.SetWriteDeadline(limit)
 		for deadline := time.Now().Add(time.Second); c.cancels.Load() > 0 && time.Now().Before(deadline); {
 			time.Sleep(2 * time.Millisecond)
 		}

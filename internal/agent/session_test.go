@@ -631,6 +631,28 @@ func TestGuestThatStopsReading(t *testing.T) {
 	}
 }
 
+// Close of a client whose write is blocked on a guest that stopped reading
+// cuts that write at Close's own short limit, not the write's deadline.
+func TestCloseCutsABlockedWrite(t *testing.T) {
+	hostConn, guestConn := socketPair(t)
+	go answerHello(proto.NewReader(guestConn), proto.NewWriter(guestConn),
+		proto.HelloAck{Version: proto.ProtocolVersion, MinVersion: proto.MinProtocolVersion})
+	c, err := agent.Dial(testCtx(t), hostConn, agent.Options{WriteTimeout: time.Minute})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := testCtx(t)
+	for i := range 4 {
+		go c.WriteFile(ctx, fmt.Sprintf("/tmp/f%d", i), bytes.NewReader(make([]byte, 1<<20)), 0)
+	}
+	time.Sleep(500 * time.Millisecond) // the socket buffers fill; the writes block
+	start := time.Now()
+	c.Close()
+	if d := time.Since(start); d > 20*time.Second {
+		t.Fatalf("Close took %v behind a blocked write (its deadline is a minute)", d)
+	}
+}
+
 // Garbage after the handshake (here fake headers, each of which would cost
 // a CRC over a whole frame to reject) stops the client once a few KiB were
 // skipped.

@@ -254,7 +254,8 @@ func (e *Engine) killUnrecorded(ctx context.Context, name string) error {
 }
 
 // parentAlive reports whether a process's parent is a live forkd process
-// (running our executable): the starter of a snapshot build. An orphan is
+// (running our executable, or one of the same name): the starter of a
+// snapshot build. An orphan is
 // reparented to pid 1 or to a subreaper, which runs something else.
 func parentAlive(procDir string) bool {
 	b, err := os.ReadFile(filepath.Join(procDir, "stat"))
@@ -278,7 +279,13 @@ func parentAlive(procDir string) bool {
 		return false
 	}
 	ours, err := os.Executable()
-	return err == nil && strings.TrimSuffix(exe, " (deleted)") == strings.TrimSuffix(ours, " (deleted)")
+	if err != nil {
+		return false
+	}
+	// The same program, perhaps another copy of it (a CLI built in a
+	// checkout while an installed daemon reconciles).
+	exe, ours = strings.TrimSuffix(exe, " (deleted)"), strings.TrimSuffix(ours, " (deleted)")
+	return exe == ours || filepath.Base(exe) == filepath.Base(ours)
 }
 
 // reclaimIsolation removes network slots and cgroups of this engine that

@@ -2,6 +2,7 @@ package oci
 
 import (
 	"context"
+	"encoding/json"
 	"os"
 	"path/filepath"
 	"strings"
@@ -43,6 +44,9 @@ func TestLocateConfinesToRoot(t *testing.T) {
 		{ref: "layout", root: root, kind: KindLayout, path: filepath.Join(root, "layout")},
 		{ref: "img.tar", root: rootLink, kind: KindTarball, path: filepath.Join(root, "img.tar")},
 		{ref: "ubuntu:24.04", root: root, kind: KindRegistry, path: "ubuntu:24.04"},
+		// A relative name that exists in the working directory (this test
+		// file) but not in root is never looked up there.
+		{ref: "locate_test.go", root: root, kind: KindRegistry, path: "locate_test.go"},
 		{ref: "localhost:5000/a/b@sha256:" + strings.Repeat("a", 64), root: root, kind: KindRegistry},
 		{ref: filepath.Join(outside, "img.tar"), root: root, is: errdefs.IsInvalidArgument, want: "outside the import directory"},
 		{ref: "/etc/passwd", root: root, is: errdefs.IsInvalidArgument, want: "outside"},
@@ -98,5 +102,35 @@ func TestLayoutSymlinksRefused(t *testing.T) {
 		if !errdefs.IsInvalidArgument(err) || !strings.Contains(err.Error(), "symlink") {
 			t.Errorf("%s a symlink: got %v, want it refused", part, err)
 		}
+	}
+}
+
+// A layout exported for one platform may list other platforms' manifests
+// without their blobs: the image for ours still opens; only the manifest
+// picked must be there.
+func TestLayoutWithOtherPlatformsMissing(t *testing.T) {
+	img := ocitest.Image(t, ocitest.Layer(t, layerTar(t, ent{name: "a", data: "a"})))
+	dir := ocitest.Layout(t, img)
+	p := filepath.Join(dir, "index.json")
+	var idx map[string]any
+	b, err := os.ReadFile(p)
+	if err != nil || json.Unmarshal(b, &idx) != nil {
+		t.Fatalf("index.json: %v", err)
+	}
+	other := map[string]any{
+		"mediaType": "application/vnd.oci.image.manifest.v1+json",
+		"digest":    "sha256:" + strings.Repeat("b", 64), "size": 500,
+		"platform": map[string]any{"os": "linux", "architecture": "riscv64"},
+	}
+	idx["manifests"] = append(idx["manifests"].([]any), other)
+	b, _ = json.Marshal(idx)
+	os.WriteFile(p, b, 0o644)
+	src, err := Open(context.Background(), "oci:"+dir, OpenOptions{})
+	if err != nil {
+		t.Fatalf("layout listing a missing riscv64 manifest: %v", err)
+	}
+	want, _ := img.Digest()
+	if src.Digest != want {
+		t.Fatalf("picked %s, want %s", src.Digest, want)
 	}
 }

@@ -149,6 +149,14 @@ func Locate(ref, root string) (Kind, string, error) {
 	if kind != "" {
 		return kind, path, nil
 	}
+	if root != "" && !local {
+		// Confined, and not in root: never looked up against the working
+		// directory (that would reach, and tell of, any file on the host).
+		if _, err := name.ParseReference(ref); err != nil {
+			return "", "", errdefs.InvalidArgument("image reference %q: %v", ref, err)
+		}
+		return KindRegistry, ref, nil
+	}
 	fi, err := os.Stat(path)
 	switch {
 	case err == nil && fi.IsDir():
@@ -279,8 +287,9 @@ func openLayout(path string, p v1.Platform) (*Source, error) {
 }
 
 // pickImage returns the one image of idx (and nested indexes) for p: the
-// only image, or the only one whose platform matches. Each manifest or
-// index is checked with blob, then, before it is read.
+// only image, or the only one whose platform matches. A nested index is
+// checked with blob before it is read; an image manifest only once it is
+// the one picked (a layout may lack the manifests of other platforms).
 func pickImage(idx v1.ImageIndex, p v1.Platform, blob func(v1.Hash) error, depth int) (v1.Image, error) {
 	if depth > 4 {
 		return nil, errdefs.InvalidArgument("indexes nested too deep")
@@ -289,27 +298,28 @@ func pickImage(idx v1.ImageIndex, p v1.Platform, blob func(v1.Hash) error, depth
 	if err != nil {
 		return nil, errdefs.InvalidArgument("index: %v", err)
 	}
-	var all, matching []v1.Image
+	// A candidate is an image manifest of idx (load is nil) or the image a
+	// nested index picked.
+	type candidate struct {
+		digest v1.Hash
+		img    v1.Image
+	}
+	var all, matching []candidate
 	for _, d := range im.Manifests {
-		if d.MediaType.IsImage() || d.MediaType.IsIndex() {
-			if d.Size > MaxMetadata {
-				return nil, errdefs.InvalidArgument("manifest %s is %d bytes; the limit is %d", d.Digest, d.Size, MaxMetadata)
-			}
-			if err := blob(d.Digest); err != nil {
-				return nil, err
-			}
+		if (d.MediaType.IsImage() || d.MediaType.IsIndex()) && d.Size > MaxMetadata {
+			return nil, errdefs.InvalidArgument("manifest %s is %d bytes; the limit is %d", d.Digest, d.Size, MaxMetadata)
 		}
 		switch {
 		case d.MediaType.IsImage():
-			img, err := idx.Image(d.Digest)
-			if err != nil {
-				return nil, errdefs.InvalidArgument("image %s: %v", d.Digest, err)
-			}
-			all = append(all, img)
+			c := candidate{digest: d.Digest}
+			all = append(all, c)
 			if d.Platform != nil && d.Platform.OS == p.OS && d.Platform.Architecture == p.Architecture {
-				matching = append(matching, img)
+				matching = append(matching, c)
 			}
 		case d.MediaType.IsIndex():
+			if err := blob(d.Digest); err != nil {
+				return nil, err
+			}
 			child, err := idx.ImageIndex(d.Digest)
 			if err != nil {
 				return nil, errdefs.InvalidArgument("index %s: %v", d.Digest, err)
@@ -318,19 +328,32 @@ func pickImage(idx v1.ImageIndex, p v1.Platform, blob func(v1.Hash) error, depth
 			if err != nil {
 				return nil, err
 			}
-			all = append(all, img)
-			matching = append(matching, img)
+			all = append(all, candidate{img: img})
+			matching = append(matching, candidate{img: img})
 		}
 	}
+	var pick candidate
 	switch {
 	case len(matching) == 1:
-		return matching[0], nil
+		pick = matching[0]
 	case len(all) == 1:
-		return all[0], nil
+		pick = all[0]
 	case len(all) == 0:
 		return nil, errdefs.NotFound("no image in the index")
+	default:
+		return nil, errdefs.InvalidArgument("%d images and no single one for %s/%s", len(all), p.OS, p.Architecture)
 	}
-	return nil, errdefs.InvalidArgument("%d images and no single one for %s/%s", len(all), p.OS, p.Architecture)
+	if pick.img != nil {
+		return pick.img, nil
+	}
+	if err := blob(pick.digest); err != nil {
+		return nil, err
+	}
+	img, err := idx.Image(pick.digest)
+	if err != nil {
+		return nil, errdefs.InvalidArgument("image %s: %v", pick.digest, err)
+	}
+	return img, nil
 }
 
 // classify gives err from go-containerregistry a class.

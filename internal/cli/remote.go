@@ -14,6 +14,7 @@ import (
 	"github.com/forkd/forkd/internal/agent/proto"
 	"github.com/forkd/forkd/internal/errdefs"
 	"github.com/forkd/forkd/internal/sandbox"
+	"github.com/forkd/forkd/internal/server"
 )
 
 // remote returns a client of the daemon serving this command's data dir,
@@ -87,7 +88,7 @@ func daemonToken(rawURL, dir string) (string, error) {
 	if u.Scheme == "unix" {
 		return tok, nil
 	}
-	if !loopbackHost(u.Hostname()) {
+	if !server.LoopbackHost(u.Hostname()) {
 		if u.Scheme == "http" && os.Getenv("FORKD_INSECURE") != "1" {
 			return "", errdefs.InvalidArgument("FORKD_URL=%s: plain http to a host that is not loopback would send the token in clear; use https:// (or set FORKD_INSECURE=1)", rawURL)
 		}

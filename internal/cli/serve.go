@@ -276,16 +276,7 @@ func isLoopback(addr string) (bool, error) {
 	if err != nil {
 		return false, errdefs.InvalidArgument("--listen %q: %v", addr, err)
 	}
-	return loopbackHost(host), nil
-}
-
-// loopbackHost reports whether host is localhost or a loopback address.
-func loopbackHost(host string) bool {
-	if host == "localhost" {
-		return true
-	}
-	ip := net.ParseIP(host)
-	return ip != nil && ip.IsLoopback()
+	return server.LoopbackHost(host), nil
 }
 
 // listenUnix listens on a unix socket of mode 0600, replacing a stale

@@ -179,7 +179,7 @@ func (s *Server) authenticate(r *http.Request) (caller string, err error) {
 		if o := r.Header.Get("Origin"); o != "" {
 			return "anonymous@" + host, errdefs.Unauthenticated("requests from web pages (Origin %q) are refused by a daemon without a token", o)
 		}
-		if !loopbackHost(r.Host) {
+		if !LoopbackHost(r.Host) {
 			return "anonymous@" + host, errdefs.Unauthenticated("Host %q: a daemon without a token answers only requests for localhost or a loopback address", r.Host)
 		}
 		return "anonymous@" + host, nil
@@ -195,9 +195,10 @@ func (s *Server) authenticate(r *http.Request) (caller string, err error) {
 	return "token@" + host, nil
 }
 
-// loopbackHost reports whether an HTTP Host header (host or host:port)
-// names this machine: localhost or a loopback address.
-func loopbackHost(hostport string) bool {
+// LoopbackHost reports whether a host or host:port (an HTTP Host header, a
+// URL's or a listen address's host) names this machine: localhost or a
+// loopback address.
+func LoopbackHost(hostport string) bool {
 	h := hostport
 	if hh, _, err := net.SplitHostPort(hostport); err == nil {
 		h = hh

@@ -266,7 +266,7 @@ func result(pid int, st exitStatus, start time.Time, timedOut bool) *proto.ExecR
 		res.ExitCode = -1
 	case st.ws.Signaled():
 		res.ExitCode = -1
-		res.Signal = signalName(st.ws.Signal())
+		res.Signal = proto.SignalName(st.ws.Signal())
 	default:
 		res.ExitCode = st.ws.ExitStatus()
 	}

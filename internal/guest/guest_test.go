@@ -159,22 +159,6 @@ func TestReaper(t *testing.T) {
 	}
 }
 
-func TestParseSignal(t *testing.T) {
-	for in, want := range map[string]syscall.Signal{"SIGTERM": syscall.SIGTERM, "term": syscall.SIGTERM, "9": syscall.SIGKILL, "HUP": syscall.SIGHUP, "SIG35": syscall.Signal(35), "35": syscall.Signal(35)} {
-		if got, err := parseSignal(in); err != nil || got != want {
-			t.Errorf("%q: %v, %v", in, got, err)
-		}
-	}
-	if got := signalName(syscall.Signal(35)); got != "SIG35" {
-		t.Errorf("signalName(35) = %q", got)
-	}
-	for _, in := range []string{"", "SIGNOPE", "0", "99", "SIG99"} {
-		if _, err := parseSignal(in); err == nil {
-			t.Errorf("%q accepted", in)
-		}
-	}
-}
-
 func TestSyncScanner(t *testing.T) {
 	stream := "hello\x00\x1bforkd-sync-7\x1b\x00world\x00\x1bforkd-sync-8\x1b\x00\x00\x1bforkd-x"
 	// Fed in every possible split, the output and the ids come out whole.

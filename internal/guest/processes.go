@@ -5,15 +5,12 @@ import (
 	"encoding/json"
 	"os"
 	"sort"
-	"strconv"
-	"strings"
 	"sync"
 	"syscall"
 	"time"
 
 	"github.com/forkd/forkd/internal/agent/proto"
 	"github.com/forkd/forkd/internal/errdefs"
-	"golang.org/x/sys/unix"
 )
 
 // proc is a process in the table: every running process the agent started
@@ -199,33 +196,6 @@ func (a *Agent) processWait(ctx context.Context, r *request, args json.RawMessag
 	}
 }
 
-// signalName names sig as "SIGTERM"; a signal without a name (the
-// real-time ones) as "SIG35", which parseSignal reads back.
-func signalName(sig syscall.Signal) string {
-	if name := unix.SignalName(sig); name != "" {
-		return name
-	}
-	return "SIG" + strconv.Itoa(int(sig))
-}
-
-// parseSignal accepts "SIGTERM", "TERM", "term", "15" or "SIG35".
-func parseSignal(s string) (syscall.Signal, error) {
-	if n, err := strconv.Atoi(s); err == nil && n > 0 && n < 65 {
-		return syscall.Signal(n), nil
-	}
-	name := strings.ToUpper(s)
-	if !strings.HasPrefix(name, "SIG") {
-		name = "SIG" + name
-	}
-	if sig := unix.SignalNum(name); sig != 0 {
-		return sig, nil
-	}
-	if n, err := strconv.Atoi(strings.TrimPrefix(name, "SIG")); err == nil && n > 0 && n < 65 {
-		return syscall.Signal(n), nil
-	}
-	return 0, errdefs.InvalidArgument("unknown signal %q", s)
-}
-
 func (a *Agent) signalProc(p *proc, sig syscall.Signal) error {
 	if !p.running() {
 		return errdefs.FailedPrecondition("process %d has ended", p.pid)
@@ -241,7 +211,7 @@ func (a *Agent) processSignal(ctx context.Context, r *request, args json.RawMess
 	if err := decode(args, &req); err != nil {
 		return nil, err
 	}
-	sig, err := parseSignal(req.Signal)
+	sig, err := proto.ParseSignal(req.Signal)
 	if err != nil {
 		return nil, err
 	}

@@ -8,6 +8,8 @@ import (
 	"strconv"
 	"sync"
 	"syscall"
+
+	"github.com/forkd/forkd/internal/agent/proto"
 )
 
 // exitStatus is how a child ended. err is set when its status could not be
@@ -159,7 +161,7 @@ func describeStatus(ws syscall.WaitStatus) string {
 	case ws.Exited():
 		return "exit " + strconv.Itoa(ws.ExitStatus())
 	case ws.Signaled():
-		return "signal " + signalName(ws.Signal())
+		return "signal " + proto.SignalName(ws.Signal())
 	}
 	return "status " + strconv.Itoa(int(ws))
 }

@@ -2,7 +2,6 @@ package sandbox
 
 import (
 	"context"
-	"sync"
 	"time"
 
 	"github.com/forkd/forkd/internal/agent"
@@ -21,16 +20,9 @@ func (e *Engine) Agent(ctx context.Context, id string) (c *agent.Client, release
 		if c := e.cachedClient(id); c != nil {
 			return c, func() {}, nil
 		}
-		// No dial lock for an id that names nothing: the map must not
-		// grow with every unknown id a caller sends.
-		if _, err := e.state.Get(id); err != nil {
-			return nil, nil, err
-		}
 		// One dial per sandbox at a time: a second session would cancel
 		// the first one's calls in the guest.
-		dmu := e.dialLock(id)
-		dmu.Lock()
-		defer dmu.Unlock()
+		defer e.dials.lock(id)()
 		if c := e.cachedClient(id); c != nil {
 			return c, func() {}, nil
 		}
@@ -76,21 +68,6 @@ func (e *Engine) cachedClient(id string) *agent.Client {
 	return nil
 }
 
-// dialLock returns the mutex that serialises dials to sandbox id.
-func (e *Engine) dialLock(id string) *sync.Mutex {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	if e.dials == nil {
-		e.dials = map[string]*sync.Mutex{}
-	}
-	m := e.dials[id]
-	if m == nil {
-		m = new(sync.Mutex)
-		e.dials[id] = m
-	}
-	return m
-}
-
 // keepClient caches a client in daemon mode and closes it otherwise.
 func (e *Engine) keepClient(id string, c *agent.Client) {
 	if !e.cfg.Daemon {
@@ -110,7 +87,6 @@ func (e *Engine) dropClient(id string) {
 	e.mu.Lock()
 	c := e.conns[id]
 	delete(e.conns, id)
-	delete(e.dials, id)
 	e.mu.Unlock()
 	if c != nil {
 		c.Close()

@@ -81,43 +81,58 @@ type Engine struct {
 	restores chan struct{} // one token per restore in progress
 	pool     *pool         // nil without Config.Pool
 
-	mu    sync.Mutex               // guards conns, dials, ends
+	mu    sync.Mutex               // guards conns
 	conns map[string]*agent.Client // daemon mode: one agent session per sandbox
-	dials map[string]*sync.Mutex   // daemon mode: serialises dials per sandbox
-	ends  map[string]*endLock      // serialises the ends of one sandbox (kill, reclaim)
+	dials keyedLocks               // daemon mode: serialises dials per sandbox
+	// ends serialises the goroutines that release one sandbox (a kill,
+	// the expirer's reclaim): each re-reads the record under it, so none
+	// releases what another already did — a slot a new child may have
+	// taken since.
+	ends keyedLocks
 }
 
-// endLock is a mutex shared by the goroutines ending one sandbox.
-type endLock struct {
+// keyedLocks are mutexes by key (a sandbox id), each kept only while a
+// goroutine holds or waits for it, so that ids never seen again leave
+// nothing behind in a long-running daemon.
+type keyedLocks struct {
+	mu sync.Mutex
+	m  map[string]*keyedLock
+}
+
+type keyedLock struct {
 	sync.Mutex
 	users int
 }
 
-// lockEnd serialises the goroutines that release sandbox id (a kill, the
-// expirer's reclaim): each re-reads the record under it, so none releases
-// what another already released — a slot number that a new child may
-// have taken since. It returns the unlock.
-func (e *Engine) lockEnd(id string) func() {
-	e.mu.Lock()
-	if e.ends == nil {
-		e.ends = map[string]*endLock{}
+// lock locks key's mutex and returns the unlock.
+func (k *keyedLocks) lock(key string) (unlock func()) {
+	k.mu.Lock()
+	if k.m == nil {
+		k.m = map[string]*keyedLock{}
 	}
-	l := e.ends[id]
+	l := k.m[key]
 	if l == nil {
-		l = &endLock{}
-		e.ends[id] = l
+		l = &keyedLock{}
+		k.m[key] = l
 	}
 	l.users++
-	e.mu.Unlock()
+	k.mu.Unlock()
 	l.Lock()
 	return func() {
 		l.Unlock()
-		e.mu.Lock()
+		k.mu.Lock()
 		if l.users--; l.users == 0 {
-			delete(e.ends, id)
+			delete(k.m, key)
 		}
-		e.mu.Unlock()
+		k.mu.Unlock()
 	}
+}
+
+// held returns how many keys have a mutex now.
+func (k *keyedLocks) held() int {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	return len(k.m)
 }
 
 // New opens the data dir.

@@ -129,7 +129,7 @@ func (x *Expirer) pass(ctx context.Context) time.Time {
 func (x *Expirer) reclaim(stale *state.Sandbox) {
 	// The record was read at the start of the pass; a kill may have
 	// released it (and a new child taken its slot) since.
-	defer x.e.lockEnd(stale.ID)()
+	defer x.e.ends.lock(stale.ID)()
 	sb, err := x.e.state.Get(stale.ID)
 	if err != nil || (sb.Status != state.StatusDead && sb.Status != state.StatusOOM) || sb.Handle.RunDir == "" {
 		return

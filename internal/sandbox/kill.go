@@ -20,7 +20,7 @@ func (e *Engine) Kill(ctx context.Context, id string) error {
 	if err := ValidateID(id); err != nil {
 		return err
 	}
-	defer e.lockEnd(id)()
+	defer e.ends.lock(id)()
 	sb, err := e.state.Get(id)
 	if err != nil {
 		return err

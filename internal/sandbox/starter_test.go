@@ -120,8 +120,8 @@ func TestUnknownIDsLeaveNoDialLock(t *testing.T) {
 	}
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	if len(e.dials) != 0 || len(e.conns) != 0 {
-		t.Fatalf("%d dial locks, %d clients left for unknown ids", len(e.dials), len(e.conns))
+	if e.dials.held() != 0 || len(e.conns) != 0 {
+		t.Fatalf("%d dial locks, %d clients left for unknown ids", e.dials.held(), len(e.conns))
 	}
 }
 
@@ -146,10 +146,8 @@ func TestStaleReclaimReleasesNothing(t *testing.T) {
 	if _, err := os.Stat(dir); err != nil {
 		t.Fatalf("stale reclaim released what is no longer the dead sandbox's: %v", err)
 	}
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	if len(e.ends) != 0 {
-		t.Fatalf("%d end locks left", len(e.ends))
+	if e.ends.held() != 0 {
+		t.Fatalf("%d end locks left", e.ends.held())
 	}
 }
 

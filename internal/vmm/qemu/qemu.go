@@ -51,6 +51,7 @@ type Backend struct {
 	reason string
 
 	verOnce sync.Once
+	verDone chan struct{} // closed once version or verErr is set
 	version string
 	verErr  error
 }
@@ -82,7 +83,7 @@ func New(opts Options) (*Backend, error) {
 	if opts.TBSizeMiB == 0 {
 		opts.TBSizeMiB = 16
 	}
-	b := &Backend{opts: opts}
+	b := &Backend{opts: opts, verDone: make(chan struct{})}
 	switch opts.Accel {
 	case "", "auto":
 		if ok, why := kvmUsable(); ok {
@@ -116,16 +117,12 @@ var versionRE = regexp.MustCompile(`version (\d+\.\d+(\.\d+)?)`)
 // request cancelled then must not fail every later boot): ctx only bounds
 // this caller's wait.
 func (b *Backend) Version(ctx context.Context) (string, error) {
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		b.verOnce.Do(b.askVersion)
-	}()
+	b.verOnce.Do(func() { go b.askVersion() })
 	select {
-	case <-done:
+	case <-b.verDone:
 	case <-ctx.Done():
 		select {
-		case <-done: // answered meanwhile: an answer beats a cancel
+		case <-b.verDone: // answered meanwhile: an answer beats a cancel
 		default:
 			return "", ctx.Err()
 		}
@@ -134,6 +131,7 @@ func (b *Backend) Version(ctx context.Context) (string, error) {
 }
 
 func (b *Backend) askVersion() {
+	defer close(b.verDone)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	out, err := exec.CommandContext(ctx, b.opts.Binary, "--version").Output()

@@ -219,10 +219,23 @@ type CreateSandboxesRequest struct {
 	// became ready (see POST /v1/sandboxes/{id}/timeout).
 	TimeoutSecs int               `json:"timeout_secs,omitempty"`
 	Metadata    map[string]string `json:"metadata,omitempty"`
-	// MemoryLimitMiB caps each sandbox's host memory (its VMM process,
+	// Limits of each sandbox (their fields sit in the request itself).
+	Limits
+	// Network is the egress policy and published ports of each sandbox;
+	// its snapshot must have been made with a network.
+	Network *NetworkSpec `json:"network,omitempty"`
+	// KeepPartial keeps the children that came up when others failed and
+	// reports each failure in Failed.
+	KeepPartial bool `json:"keep_partial,omitempty"`
+}
+
+// Limits are a sandbox's resource limits; zero fields set none. Each
+// needs the controller in charge to run as root.
+type Limits struct {
+	// MemoryLimitMiB caps the sandbox's host memory (its VMM process,
 	// guest pages it wrote included); a sandbox over it is killed and
 	// reported "oom". CPUs caps its CPU time in cores; PIDsLimit its VMM's
-	// tasks. Each needs the controller in charge to run as root.
+	// tasks.
 	MemoryLimitMiB int     `json:"memory_limit_mib,omitempty"`
 	CPUs           float64 `json:"cpus,omitempty"`
 	PIDsLimit      int     `json:"pids_limit,omitempty"`
@@ -231,12 +244,6 @@ type CreateSandboxesRequest struct {
 	IOWeight   int   `json:"io_weight,omitempty"`
 	IOReadBps  int64 `json:"io_read_bps,omitempty"`
 	IOWriteBps int64 `json:"io_write_bps,omitempty"`
-	// Network is the egress policy and published ports of each sandbox;
-	// its snapshot must have been made with a network.
-	Network *NetworkSpec `json:"network,omitempty"`
-	// KeepPartial keeps the children that came up when others failed and
-	// reports each failure in Failed.
-	KeepPartial bool `json:"keep_partial,omitempty"`
 }
 
 // CreateSandboxesResponse answers POST /v1/sandboxes (201).
@@ -271,13 +278,8 @@ type Sandbox struct {
 	ReadyMS     int64             `json:"ready_ms"`
 	ExpiresAt   time.Time         `json:"expires_at,omitzero"`
 	Metadata    map[string]string `json:"metadata,omitempty"`
-	// Limits in force (see CreateSandboxesRequest).
-	MemoryLimitMiB int     `json:"memory_limit_mib,omitempty"`
-	CPUs           float64 `json:"cpus,omitempty"`
-	PIDsLimit      int     `json:"pids_limit,omitempty"`
-	IOWeight       int     `json:"io_weight,omitempty"`
-	IOReadBps      int64   `json:"io_read_bps,omitempty"`
-	IOWriteBps     int64   `json:"io_write_bps,omitempty"`
+	// Limits in force (their fields sit in the sandbox itself).
+	Limits
 	// Network is the sandbox's own network, when its snapshot has one.
 	Network *SandboxNetwork `json:"network,omitempty"`
 }

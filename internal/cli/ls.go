@@ -15,20 +15,15 @@ import (
 
 // sandboxView is the stable JSON shape of a sandbox in `ls --json`.
 type sandboxView struct {
-	ID             string                `json:"id"`
-	Snapshot       string                `json:"snapshot"`
-	Status         string                `json:"status"`
-	PID            int                   `json:"pid"`
-	Created        time.Time             `json:"created"`
-	ReadyMS        int64                 `json:"ready_ms"`
-	Metadata       map[string]string     `json:"metadata,omitempty"`
-	Network        *apiv1.SandboxNetwork `json:"network,omitempty"`
-	MemoryLimitMiB int                   `json:"memory_limit_mib,omitempty"`
-	CPUs           float64               `json:"cpus,omitempty"`
-	PIDsLimit      int                   `json:"pids_limit,omitempty"`
-	IOWeight       int                   `json:"io_weight,omitempty"`
-	IOReadBps      int64                 `json:"io_read_bps,omitempty"`
-	IOWriteBps     int64                 `json:"io_write_bps,omitempty"`
+	ID       string                `json:"id"`
+	Snapshot string                `json:"snapshot"`
+	Status   string                `json:"status"`
+	PID      int                   `json:"pid"`
+	Created  time.Time             `json:"created"`
+	ReadyMS  int64                 `json:"ready_ms"`
+	Metadata map[string]string     `json:"metadata,omitempty"`
+	Network  *apiv1.SandboxNetwork `json:"network,omitempty"`
+	apiv1.Limits
 }
 
 // viewSandbox is the ls form of a sandbox as the API shows it.
@@ -36,8 +31,7 @@ func viewSandbox(sb apiv1.Sandbox) sandboxView {
 	return sandboxView{
 		ID: sb.ID, Snapshot: sb.SnapshotTag, Status: sb.Status, PID: sb.PID,
 		Created: sb.Created, ReadyMS: sb.ReadyMS, Metadata: sb.Metadata, Network: sb.Network,
-		MemoryLimitMiB: sb.MemoryLimitMiB, CPUs: sb.CPUs, PIDsLimit: sb.PIDsLimit,
-		IOWeight: sb.IOWeight, IOReadBps: sb.IOReadBps, IOWriteBps: sb.IOWriteBps,
+		Limits: sb.Limits,
 	}
 }
 

@@ -128,23 +128,46 @@ func checkKeys(dec *json.Decoder, t reflect.Type, at string) error {
 // fieldByJSONName finds the field of struct t whose JSON name is exactly
 // name.
 func fieldByJSONName(t reflect.Type, name string) (reflect.Type, bool) {
-	for i := range t.NumField() {
-		f := t.Field(i)
-		if !f.IsExported() {
-			continue
-		}
-		tag, _, _ := strings.Cut(f.Tag.Get("json"), ",")
-		if tag == "-" {
-			continue
-		}
-		if tag == "" {
-			tag = f.Name
-		}
-		if tag == name {
-			return f.Type, true
+	for _, f := range jsonFields(t) {
+		if f.name == name {
+			return f.typ, true
 		}
 	}
 	return nil, false
+}
+
+// jsonField is a struct field as encoding/json names it.
+type jsonField struct {
+	name     string
+	optional bool // omitempty or omitzero
+	typ      reflect.Type
+}
+
+// jsonFields lists struct t's fields as encoding/json sees them: by tag
+// name (the Go name without one), "-" left out, and the fields of an
+// untagged embedded struct in t itself.
+func jsonFields(t reflect.Type) []jsonField {
+	var out []jsonField
+	for i := range t.NumField() {
+		f := t.Field(i)
+		if f.Anonymous && f.Type.Kind() == reflect.Struct && f.Tag.Get("json") == "" {
+			out = append(out, jsonFields(f.Type)...)
+			continue
+		}
+		if !f.IsExported() {
+			continue
+		}
+		name, opts, _ := strings.Cut(f.Tag.Get("json"), ",")
+		if name == "-" {
+			continue
+		}
+		if name == "" {
+			name = f.Name
+		}
+		optional := strings.Contains(opts, "omitempty") || strings.Contains(opts, "omitzero")
+		out = append(out, jsonField{name: name, optional: optional, typ: f.Type})
+	}
+	return out
 }
 
 // bodyError turns a decoding error into a clear InvalidArgument error.

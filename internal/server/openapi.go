@@ -158,21 +158,10 @@ func (g *schemaGen) schema(t reflect.Type) map[string]any {
 func (g *schemaGen) object(t reflect.Type) map[string]any {
 	props := map[string]any{}
 	var required []string
-	for i := range t.NumField() {
-		f := t.Field(i)
-		if !f.IsExported() {
-			continue
-		}
-		name, opts, _ := strings.Cut(f.Tag.Get("json"), ",")
-		if name == "-" {
-			continue
-		}
-		if name == "" {
-			name = f.Name
-		}
-		props[name] = g.schema(f.Type)
-		if !strings.Contains(opts, "omitempty") && !strings.Contains(opts, "omitzero") {
-			required = append(required, name)
+	for _, f := range jsonFields(t) {
+		props[f.name] = g.schema(f.typ)
+		if !f.optional {
+			required = append(required, f.name)
 		}
 	}
 	out := map[string]any{"type": "object", "properties": props, "additionalProperties": false}

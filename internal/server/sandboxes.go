@@ -101,7 +101,7 @@ func ForkSpec(req *apiv1.CreateSandboxesRequest, maxN int) (sandbox.ForkSpec, er
 	if req.Network != nil {
 		spec.Net = &sandbox.NetSpec{Policy: pol, Publish: req.Network.Publish}
 	}
-	if req.MemoryLimitMiB != 0 || req.CPUs != 0 || req.PIDsLimit != 0 || req.IOWeight != 0 || req.IOReadBps != 0 || req.IOWriteBps != 0 {
+	if req.Limits != (apiv1.Limits{}) {
 		spec.Limits = &state.Limits{MemoryMiB: int64(req.MemoryLimitMiB), CPUs: req.CPUs, PIDs: int64(req.PIDsLimit),
 			IOWeight: uint64(req.IOWeight), IOReadBps: uint64(req.IOReadBps), IOWriteBps: uint64(req.IOWriteBps)}
 	}

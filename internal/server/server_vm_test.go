@@ -58,7 +58,7 @@ func TestServerVM(t *testing.T) {
 	})
 
 	t.Run("sandboxes", func(t *testing.T) {
-		res, err := c.CreateSandboxes(ctx, apiv1.CreateSandboxesRequest{SnapshotTag: "base", N: 5, Metadata: map[string]string{"job": "t1"}, MemoryLimitMiB: 512})
+		res, err := c.CreateSandboxes(ctx, apiv1.CreateSandboxesRequest{SnapshotTag: "base", N: 5, Metadata: map[string]string{"job": "t1"}, Limits: apiv1.Limits{MemoryLimitMiB: 512}})
 		if err != nil || len(res.Sandboxes) != 5 || len(res.Failed) != 0 {
 			t.Fatalf("create 5: %+v %v", res, err)
 		}
@@ -174,7 +174,7 @@ func TestServerVM(t *testing.T) {
 
 	t.Run("network", func(t *testing.T) {
 		testutil.RequireRoot(t) // per-child networks; without root the snapshot has no NIC
-		res, err := c.CreateSandboxes(ctx, apiv1.CreateSandboxesRequest{SnapshotTag: "base", N: 1, CPUs: 1, PIDsLimit: 128,
+		res, err := c.CreateSandboxes(ctx, apiv1.CreateSandboxesRequest{SnapshotTag: "base", N: 1, Limits: apiv1.Limits{CPUs: 1, PIDsLimit: 128},
 			Network: &apiv1.NetworkSpec{Egress: "allowlist", Allow: []apiv1.NetworkRule{{CIDR: "198.51.100.0/24", Proto: "tcp", Ports: []string{"80"}}}, Publish: []int{8080}}})
 		if err != nil || len(res.Sandboxes) != 1 {
 			t.Fatalf("create: %+v %v", res, err)

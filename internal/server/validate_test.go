@@ -46,13 +46,13 @@ func TestForkLimitsChecked(t *testing.T) {
 		{read: MaxIOBps + 1, want: "io_read_bps"},
 		{wri: -1, want: "io_write_bps"},
 	} {
-		req := apiv1.CreateSandboxesRequest{SnapshotTag: "base", CPUs: c.cpus, IOReadBps: c.read, IOWriteBps: c.wri}
+		req := apiv1.CreateSandboxesRequest{SnapshotTag: "base", Limits: apiv1.Limits{CPUs: c.cpus, IOReadBps: c.read, IOWriteBps: c.wri}}
 		if _, err := ForkSpec(&req, 10); !errdefs.IsInvalidArgument(err) || !strings.Contains(err.Error(), c.want) {
 			t.Errorf("%+v: %v, want %q", c, err, c.want)
 		}
 	}
 	for _, cpus := range []float64{0, 0.01, 1024} {
-		if _, err := ForkSpec(&apiv1.CreateSandboxesRequest{SnapshotTag: "base", CPUs: cpus}, 10); err != nil {
+		if _, err := ForkSpec(&apiv1.CreateSandboxesRequest{SnapshotTag: "base", Limits: apiv1.Limits{CPUs: cpus}}, 10); err != nil {
 			t.Errorf("cpus %g: %v", cpus, err)
 		}
 	}

@@ -424,8 +424,8 @@ func (c *Client) start(ctx context.Context, op string, args any) (*call, error) 
 	c.mu.Unlock()
 	if err := c.w.WriteMessage(proto.TypeRequest, cl.id, req); err != nil {
 		c.forget(cl)
-		if errdefs.Code(err) == "internal" {
-			err = errdefs.Unavailable("agent %s: %v", op, err)
+		if !errdefs.Classed(err) {
+			err = errdefs.Unavailable("agent %s: %w", op, err)
 		}
 		return nil, err
 	}

@@ -1,10 +1,16 @@
 // Package errdefs defines the few classes of error forkd distinguishes.
 //
 // Every error that crosses a package boundary carries one class, attached by
-// wrapping one of the sentinels below (fmt.Errorf("snapshot %q: %w", tag,
-// errdefs.ErrNotFound) or errdefs.NotFound("...")). Callers test the class with
-// the Is* helpers; the HTTP layer maps classes to status codes in one place
-// and the Go client maps them back.
+// one of the constructors below (errdefs.NotFound("snapshot %q", tag)) or by
+// wrapping a sentinel (fmt.Errorf("snapshot %q: %w", tag, errdefs.ErrNotFound)).
+// A constructor given a cause with %w keeps it: the result unwraps to both
+// the class and the cause, so errors.Is(err, errdefs.ErrNotFound) and
+// errors.Is(err, fs.ErrNotExist) (or context.Canceled) both hold.
+//
+// An error has one class: the one attached nearest the top of its chain
+// (Class). The Is* helpers test that class, never one buried in a cause; the
+// HTTP layer maps classes to status codes in one place and the Go client
+// maps them back.
 package errdefs
 
 import (
@@ -25,21 +31,37 @@ var (
 	ErrDeadlineExceeded   = errors.New("deadline exceeded")
 )
 
-// classed is an error with a message of its own and a class it unwraps to,
-// so that the class name does not appear twice in the message.
+// classed is an error with a message of its own, a class, and the causes
+// its message wrapped with %w (none when it had no cause). The class name
+// does not appear in the message.
 type classed struct {
-	msg   string
-	class error
+	msg    string
+	class  error
+	causes []error
 }
 
 func (e *classed) Error() string { return e.msg }
-func (e *classed) Unwrap() error { return e.class }
 
+// Unwrap returns the class first, then the causes.
+func (e *classed) Unwrap() []error { return append([]error{e.class}, e.causes...) }
+
+// newf formats like fmt.Errorf, so that %w keeps the cause.
 func newf(class error, format string, args ...any) error {
-	return &classed{msg: fmt.Sprintf(format, args...), class: class}
+	err := fmt.Errorf(format, args...)
+	c := &classed{msg: err.Error(), class: class}
+	switch u := err.(type) {
+	case interface{ Unwrap() error }:
+		if cause := u.Unwrap(); cause != nil {
+			c.causes = []error{cause}
+		}
+	case interface{ Unwrap() []error }:
+		c.causes = u.Unwrap()
+	}
+	return c
 }
 
-// NotFound returns an error of class ErrNotFound with the given message.
+// NotFound returns an error of class ErrNotFound with the given message
+// (fmt.Errorf's format: %w keeps a cause).
 func NotFound(format string, args ...any) error { return newf(ErrNotFound, format, args...) }
 
 // AlreadyExists returns an error of class ErrAlreadyExists.
@@ -82,39 +104,74 @@ func DeadlineExceeded(format string, args ...any) error {
 	return newf(ErrDeadlineExceeded, format, args...)
 }
 
-// IsNotFound reports whether err is of class ErrNotFound.
-func IsNotFound(err error) bool { return errors.Is(err, ErrNotFound) }
-
-// IsAlreadyExists reports whether err is of class ErrAlreadyExists.
-func IsAlreadyExists(err error) bool { return errors.Is(err, ErrAlreadyExists) }
-
-// IsInvalidArgument reports whether err is of class ErrInvalidArgument.
-func IsInvalidArgument(err error) bool { return errors.Is(err, ErrInvalidArgument) }
-
-// IsFailedPrecondition reports whether err is of class ErrFailedPrecondition.
-func IsFailedPrecondition(err error) bool { return errors.Is(err, ErrFailedPrecondition) }
-
-// IsResourceExhausted reports whether err is of class ErrResourceExhausted.
-func IsResourceExhausted(err error) bool { return errors.Is(err, ErrResourceExhausted) }
-
-// IsUnavailable reports whether err is of class ErrUnavailable.
-func IsUnavailable(err error) bool { return errors.Is(err, ErrUnavailable) }
-
-// IsUnauthenticated reports whether err is of class ErrUnauthenticated.
-func IsUnauthenticated(err error) bool { return errors.Is(err, ErrUnauthenticated) }
-
-// IsNotImplemented reports whether err is of class ErrNotImplemented.
-func IsNotImplemented(err error) bool { return errors.Is(err, ErrNotImplemented) }
-
-// Code returns the stable wire name of err's class ("not_found", ...), or
-// "internal" when err carries no class.
-func Code(err error) string {
+// Class returns err's class: the class sentinel met first when err's chain
+// is walked from the top (a classed error's own class before its causes'),
+// or nil when err carries none.
+func Class(err error) error {
 	for _, c := range codes {
-		if errors.Is(err, c.class) {
-			return c.code
+		if err == c.class {
+			return c.class
 		}
 	}
-	return "internal"
+	switch e := err.(type) {
+	case *classed:
+		return e.class
+	case interface{ Unwrap() error }:
+		return Class(e.Unwrap())
+	case interface{ Unwrap() []error }:
+		for _, u := range e.Unwrap() {
+			if c := Class(u); c != nil {
+				return c
+			}
+		}
+	}
+	return nil
+}
+
+// Classed reports whether err carries a class. An error without one is an
+// internal error: a bug or a failure forkd did not foresee.
+func Classed(err error) bool { return Class(err) != nil }
+
+// IsNotFound reports whether err is of class ErrNotFound.
+func IsNotFound(err error) bool { return Class(err) == ErrNotFound }
+
+// IsAlreadyExists reports whether err is of class ErrAlreadyExists.
+func IsAlreadyExists(err error) bool { return Class(err) == ErrAlreadyExists }
+
+// IsInvalidArgument reports whether err is of class ErrInvalidArgument.
+func IsInvalidArgument(err error) bool { return Class(err) == ErrInvalidArgument }
+
+// IsFailedPrecondition reports whether err is of class ErrFailedPrecondition.
+func IsFailedPrecondition(err error) bool { return Class(err) == ErrFailedPrecondition }
+
+// IsResourceExhausted reports whether err is of class ErrResourceExhausted.
+func IsResourceExhausted(err error) bool { return Class(err) == ErrResourceExhausted }
+
+// IsUnavailable reports whether err is of class ErrUnavailable.
+func IsUnavailable(err error) bool { return Class(err) == ErrUnavailable }
+
+// IsUnauthenticated reports whether err is of class ErrUnauthenticated.
+func IsUnauthenticated(err error) bool { return Class(err) == ErrUnauthenticated }
+
+// IsNotImplemented reports whether err is of class ErrNotImplemented.
+func IsNotImplemented(err error) bool { return Class(err) == ErrNotImplemented }
+
+// IsDeadlineExceeded reports whether err is of class ErrDeadlineExceeded.
+func IsDeadlineExceeded(err error) bool { return Class(err) == ErrDeadlineExceeded }
+
+// CodeInternal is the wire name of an error without a class.
+const CodeInternal = "internal"
+
+// Code returns the stable wire name of err's class ("not_found", ...), or
+// CodeInternal when err carries no class.
+func Code(err error) string {
+	c := Class(err)
+	for _, k := range codes {
+		if k.class == c {
+			return k.code
+		}
+	}
+	return CodeInternal
 }
 
 // FromCode returns an error of the class named by code with the given

@@ -195,10 +195,10 @@ func bodyError(err error) error {
 	case strings.HasPrefix(err.Error(), "json: unknown field "):
 		return errdefs.InvalidArgument("request body: %s", strings.TrimPrefix(err.Error(), "json: "))
 	}
-	if errdefs.Code(err) != "internal" {
+	if errdefs.Classed(err) {
 		return err
 	}
-	return errdefs.InvalidArgument("request body: %v", err)
+	return errdefs.InvalidArgument("request body: %w", err)
 }
 
 func describeStart(b byte) string {

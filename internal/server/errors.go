@@ -10,28 +10,32 @@ import (
 	"github.com/forkd/forkd/internal/errdefs"
 )
 
-// httpStatus maps an error to its HTTP status: the one place where errdefs
-// classes meet HTTP. The Go client maps the code back (errdefs.FromCode).
+// statuses maps each errdefs class to its HTTP status: the one place where
+// classes meet HTTP. The Go client maps the wire code back
+// (errdefs.FromCode).
+var statuses = map[error]int{
+	errdefs.ErrNotFound:           http.StatusNotFound,
+	errdefs.ErrAlreadyExists:      http.StatusConflict,
+	errdefs.ErrFailedPrecondition: http.StatusConflict,
+	errdefs.ErrInvalidArgument:    http.StatusBadRequest,
+	errdefs.ErrResourceExhausted:  http.StatusTooManyRequests,
+	errdefs.ErrUnavailable:        http.StatusServiceUnavailable,
+	errdefs.ErrNotImplemented:     http.StatusNotImplemented,
+	errdefs.ErrUnauthenticated:    http.StatusUnauthorized,
+	errdefs.ErrDeadlineExceeded:   http.StatusGatewayTimeout,
+}
+
+// httpStatus maps an error to its HTTP status: by its class, else 413 for
+// a body over its limit, 504 for a deadline, 500 for the rest.
 func httpStatus(err error) int {
+	if st, ok := statuses[errdefs.Class(err)]; ok {
+		return st
+	}
 	var tooBig *http.MaxBytesError
 	switch {
 	case errors.As(err, &tooBig):
 		return http.StatusRequestEntityTooLarge
-	case errdefs.IsNotFound(err):
-		return http.StatusNotFound
-	case errdefs.IsAlreadyExists(err), errdefs.IsFailedPrecondition(err):
-		return http.StatusConflict
-	case errdefs.IsInvalidArgument(err):
-		return http.StatusBadRequest
-	case errdefs.IsResourceExhausted(err):
-		return http.StatusTooManyRequests
-	case errdefs.IsUnavailable(err):
-		return http.StatusServiceUnavailable
-	case errdefs.IsNotImplemented(err):
-		return http.StatusNotImplemented
-	case errors.Is(err, errdefs.ErrUnauthenticated):
-		return http.StatusUnauthorized
-	case errors.Is(err, errdefs.ErrDeadlineExceeded), errors.Is(err, context.DeadlineExceeded):
+	case errors.Is(err, context.DeadlineExceeded):
 		return http.StatusGatewayTimeout
 	}
 	return http.StatusInternalServerError
@@ -40,7 +44,7 @@ func httpStatus(err error) int {
 // wireError is err as the API shows it.
 func wireError(err error) apiv1.Error {
 	code := errdefs.Code(err)
-	if code == "internal" && errors.Is(err, context.DeadlineExceeded) {
+	if !errdefs.Classed(err) && errors.Is(err, context.DeadlineExceeded) {
 		code = apiv1.CodeDeadlineExceeded
 	}
 	return apiv1.Error{Code: code, Message: err.Error()}

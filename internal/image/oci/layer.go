@@ -153,12 +153,12 @@ func applyLayer(ctx context.Context, t *rootfs.Tree, r io.Reader, o ApplyOptions
 		}
 		if err := applyEntry(t, tr, hdr, name, created, o, log); err != nil {
 			if errors.Is(err, unix.ENOSPC) || errors.Is(err, unix.EDQUOT) {
-				return errdefs.ResourceExhausted("layer entry %s: %v", hdr.Name, err)
+				return errdefs.ResourceExhausted("layer entry %s: %w", hdr.Name, err)
 			}
-			if errdefs.Code(err) != "internal" {
+			if errdefs.Classed(err) {
 				return err
 			}
-			return errdefs.InvalidArgument("layer entry %s: %v", hdr.Name, err)
+			return errdefs.InvalidArgument("layer entry %s: %w", hdr.Name, err)
 		}
 	}
 }
@@ -348,10 +348,10 @@ func malformed(err error) error {
 	if errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
 		return err
 	}
-	if errdefs.Code(err) != "internal" {
+	if errdefs.Classed(err) {
 		return err
 	}
-	return errdefs.InvalidArgument("malformed layer: %v", err)
+	return errdefs.InvalidArgument("malformed layer: %w", err)
 }
 
 // Unpack applies the layers of img in order to t. Progress lines (one per

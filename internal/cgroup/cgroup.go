@@ -11,7 +11,7 @@
 // A VMM is best placed in its group as it is created: on v2 with
 // SysProcAttr.UseCgroupFD and Placement.CgroupFD; on v1 by forking from a
 // thread moved into the group first (Manager.EnterProcs, run through
-// netns.StartIn). Writing the pid into Placement.Procs right after start
+// launch.Start). Writing the pid into Placement.Procs right after start
 // (Group.Add) also works, but on v1 what the process allocated before the
 // move stays charged to our own cgroup unless the kernel still honours
 // memory.move_charge_at_immigrate (set when possible; kernels since 6.13

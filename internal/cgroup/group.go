@@ -256,7 +256,7 @@ func init() { runtime.LockOSThread() }
 // ever charged elsewhere. restore moves the thread back into our own
 // cgroups and unlocks it; if that fails the thread stays locked and is
 // discarded when its goroutine exits. It has the shape of
-// netns.EnterFunc. The thread counts against the groups' pids limit while
+// launch.Step. The thread counts against the groups' pids limit while
 // inside.
 func (m *Manager) EnterProcs(procs []string) (restore func() error, err error) {
 	type move struct{ to, back string }

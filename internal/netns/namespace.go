@@ -4,97 +4,15 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"runtime"
 
 	vnetns "github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 
-	"github.com/forkd/forkd/internal/cleanup"
 	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/launch"
 )
-
-// Enter moves the calling goroutine's OS thread into the network namespace
-// at path and locks the goroutine to it. The returned restore moves the
-// thread back and unlocks it; if moving back fails the thread stays locked,
-// so the runtime discards it when the goroutine exits, and no other
-// goroutine ever runs in the wrong namespace. Call restore from the same
-// goroutine, exactly once.
-//
-// Sockets and processes created between Enter and restore belong to the
-// namespace; Go may still run other goroutines' work elsewhere, so do not
-// start goroutines that expect to be inside.
-func Enter(path string) (restore func() error, err error) {
-	target, err := vnetns.GetFromPath(path)
-	if err != nil {
-		return nil, fmt.Errorf("open netns %s: %w", path, notFound(err))
-	}
-	defer target.Close()
-	runtime.LockOSThread()
-	orig, err := vnetns.Get()
-	if err != nil {
-		runtime.UnlockOSThread()
-		return nil, fmt.Errorf("open own netns: %w", err)
-	}
-	if err := vnetns.Set(target); err != nil {
-		orig.Close()
-		runtime.UnlockOSThread()
-		return nil, fmt.Errorf("setns %s: %w", path, err)
-	}
-	return func() error {
-		defer orig.Close()
-		if err := vnetns.Set(orig); err != nil {
-			return fmt.Errorf("setns back from %s: %w", path, err)
-		}
-		runtime.UnlockOSThread()
-		return nil
-	}, nil
-}
-
-// EnterFunc is a thread-bound step (such as moving the thread into a
-// cgroup) run by StartIn after it entered the namespace; it follows the
-// contract of Enter.
-type EnterFunc func() (restore func() error, err error)
-
-// StartIn starts cmd with its network namespace set to the one at nsPath
-// ("" keeps the caller's), after running the extra thread-bound steps in
-// order. It works on a goroutine of its own whose OS thread is locked for
-// the start and, should restoring fail, discarded; the caller's thread is
-// never touched. Because the child is forked from that thread, do not set
-// SysProcAttr.Pdeathsig together with StartIn: the signal fires when the
-// forking thread exits.
-func StartIn(nsPath string, cmd *exec.Cmd, steps ...EnterFunc) error {
-	if nsPath != "" {
-		steps = append([]EnterFunc{func() (func() error, error) { return Enter(nsPath) }}, steps...)
-	}
-	errc := make(chan error, 1)
-	go func() {
-		// This lock is released only once every step was undone;
-		// otherwise the goroutine exits locked and the runtime discards
-		// its thread, which cannot harm cmd once started.
-		runtime.LockOSThread()
-		var undo cleanup.Stack
-		for _, step := range steps {
-			restore, err := step()
-			if err != nil {
-				uerr := undo.Run()
-				if uerr == nil {
-					runtime.UnlockOSThread()
-				}
-				errc <- errors.Join(err, uerr)
-				return
-			}
-			undo.Add(restore)
-		}
-		err := cmd.Start()
-		if undo.Run() == nil {
-			runtime.UnlockOSThread()
-		}
-		errc <- err
-	}()
-	return <-errc
-}
 
 // inNetNS runs fn on an OS thread inside the network namespace at path,
 // then moves the thread back. Should moving back fail, the goroutine exits
@@ -104,7 +22,7 @@ func StartIn(nsPath string, cmd *exec.Cmd, steps ...EnterFunc) error {
 func inNetNS(path string, fn func() error) error {
 	errc := make(chan error, 1)
 	go func() {
-		restore, err := Enter(path)
+		restore, err := launch.EnterNetNS(path)
 		if err != nil {
 			errc <- err
 			return

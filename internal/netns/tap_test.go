@@ -19,6 +19,7 @@ import (
 
 	"github.com/forkd/forkd/internal/cgroup"
 	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/launch"
 	"github.com/forkd/forkd/internal/proc"
 	"github.com/forkd/forkd/internal/testutil"
 )
@@ -112,7 +113,7 @@ func TestStartIn(t *testing.T) {
 		cmd.SysProcAttr = &syscall.SysProcAttr{UseCgroupFD: true, CgroupFD: pl.CgroupFD}
 	}
 	before := nsInode(t, "/proc/thread-self/ns/net")
-	if err := StartIn(n.NetNSPath, cmd, func() (func() error, error) { return cg.EnterProcs(pl.Procs) }); err != nil {
+	if err := launch.Start(n.NetNSPath, cmd, func() (func() error, error) { return cg.EnterProcs(pl.Procs) }); err != nil {
 		t.Fatal(err)
 	}
 	defer func() { cmd.Process.Kill(); cmd.Wait() }()
@@ -129,10 +130,10 @@ func TestStartIn(t *testing.T) {
 	}
 	// A failing step undoes the namespace and starts nothing.
 	bad := exec.Command("true")
-	if err := StartIn(n.NetNSPath, bad, func() (func() error, error) { return nil, errInjected }); !errors.Is(err, errInjected) || bad.Process != nil {
+	if err := launch.Start(n.NetNSPath, bad, func() (func() error, error) { return nil, errInjected }); !errors.Is(err, errInjected) || bad.Process != nil {
 		t.Fatalf("StartIn with failing step: %v", err)
 	}
-	if err := StartIn("/nonexistent/netns", exec.Command("true")); !errdefs.IsNotFound(err) {
+	if err := launch.Start("/nonexistent/netns", exec.Command("true")); !errdefs.IsNotFound(err) {
 		t.Fatalf("StartIn in a missing netns: %v", err)
 	}
 	// The VMM can also be handed the tap instead of joining the namespace.
@@ -225,7 +226,7 @@ func TestQEMUAttaches(t *testing.T) {
 	var log1 strings.Builder
 	inside := exec.Command(qemu, append(args, "-netdev", "tap,id=n0,ifname="+TapName+",script=no,downscript=no")...)
 	inside.Stdout, inside.Stderr = &log1, &log1
-	if err := StartIn(n.NetNSPath, inside); err != nil {
+	if err := launch.Start(n.NetNSPath, inside); err != nil {
 		t.Fatal(err)
 	}
 	waitCarrier(inside, &log1)

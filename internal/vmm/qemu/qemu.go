@@ -25,7 +25,7 @@ import (
 	"time"
 
 	"github.com/forkd/forkd/internal/errdefs"
-	"github.com/forkd/forkd/internal/netns"
+	"github.com/forkd/forkd/internal/launch"
 	"github.com/forkd/forkd/internal/vmm"
 )
 
@@ -429,15 +429,15 @@ func launchCommand(bin string, args argv, launch vmm.Launch) *exec.Cmd {
 
 // startIn starts cmd from an OS thread inside launch's network namespace
 // and thread-bound contexts, so QEMU is born there.
-func startIn(cmd *exec.Cmd, launch vmm.Launch) error {
-	if launch.NetNS == "" && len(launch.Enter) == 0 {
+func startIn(cmd *exec.Cmd, l vmm.Launch) error {
+	if l.NetNS == "" && len(l.Enter) == 0 {
 		return cmd.Start()
 	}
-	steps := make([]netns.EnterFunc, len(launch.Enter))
-	for i, f := range launch.Enter {
-		steps[i] = netns.EnterFunc(f)
+	steps := make([]launch.Step, len(l.Enter))
+	for i, f := range l.Enter {
+		steps[i] = launch.Step(f)
 	}
-	return netns.StartIn(launch.NetNS, cmd, steps...)
+	return launch.Start(l.NetNS, cmd, steps...)
 }
 
 var errStopped = errors.New("machine stopped")

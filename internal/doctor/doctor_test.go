@@ -178,10 +178,12 @@ func TestKVMHostWithoutQEMU(t *testing.T) {
 	opts := h.options(t)
 	opts.Controller = "http://127.0.0.1:8889"
 	rep := Run(context.Background(), opts)
+	// Firecracker and KVM work, but forkd has no Firecracker backend yet:
+	// without QEMU no backend runs, and doctor says so.
 	expect(t, rep, map[string]Status{"cpu-virtualisation": Pass, "kvm": Pass, "qemu": Fail, "firecracker": Pass,
-		"controller": Pass, "backend": Pass}, nil)
-	if rep.Backend != "firecracker" || rep.Accelerator != "kvm" {
-		t.Errorf("backend %q %q", rep.Backend, rep.Accelerator)
+		"controller": Pass, "backend": Fail}, nil)
+	if rep.Backend != "" || rep.Accelerator != "" {
+		t.Errorf("backend %q %q, want none", rep.Backend, rep.Accelerator)
 	}
 	if !rep.Failed() || rep.ExitCode() != 1 {
 		t.Error("a missing QEMU is a failure")

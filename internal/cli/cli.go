@@ -22,6 +22,7 @@ import (
 	"github.com/forkd/forkd/internal/agent"
 	"github.com/forkd/forkd/internal/errdefs"
 	"github.com/forkd/forkd/internal/sandbox"
+	"github.com/forkd/forkd/internal/vmm/backend"
 	"github.com/forkd/forkd/internal/vmm/qemu"
 )
 
@@ -197,12 +198,12 @@ func (g *globals) openEngine(tune func(*sandbox.Config)) (*sandbox.Engine, error
 	if err != nil {
 		return nil, err
 	}
-	be, err := qemu.New(qemu.Options{
+	be, err := backend.New(backend.Options{QEMU: qemu.Options{
 		Binary:  envOr(g.qemuBin, "FORKD_QEMU", ""),
 		Accel:   envOr(g.accel, "FORKD_ACCEL", "auto"),
 		Machine: envOr(g.machine, "FORKD_MACHINE", ""),
 		Sandbox: os.Getenv("FORKD_QEMU_SECCOMP") != "0",
-	})
+	}})
 	if err != nil {
 		return nil, err
 	}

@@ -212,7 +212,7 @@ func serve(ctx context.Context, g *globals, o serveOptions) error {
 	exp := sandbox.NewExpirer(e)
 	srv, err := server.New(server.Config{
 		Engine:            e,
-		Admitter:          sandbox.NewAdmitter(e, sandbox.Limits{MaxSandboxes: o.maxSandboxes, MaxPending: o.maxPending}),
+		Admitter:          sandbox.NewAdmitter(e, sandbox.Admission{MaxSandboxes: o.maxSandboxes, MaxPending: o.maxPending}),
 		Expirer:           exp,
 		Token:             token,
 		MaxBodyBytes:      o.maxBody,

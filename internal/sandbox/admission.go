@@ -9,8 +9,8 @@ import (
 	"github.com/forkd/forkd/internal/state"
 )
 
-// Limits bound what a daemon admits. Zero fields mean no limit.
-type Limits struct {
+// Admission bounds what a daemon admits. Zero fields mean no limit.
+type Admission struct {
 	// MaxSandboxes bounds live sandboxes (starting or running) in total.
 	MaxSandboxes int
 	// MaxPending bounds children admitted but not yet ready, across all
@@ -19,7 +19,7 @@ type Limits struct {
 	MaxPending int
 }
 
-// Admitter forks batches within Limits. Admission is atomic: a batch's ids
+// Admitter forks batches within its Admission bounds. Admission is atomic: a batch's ids
 // are reserved under one lock before any restore starts, so concurrent
 // requests can never together exceed MaxSandboxes, and a refused batch
 // starts nothing. Live sandboxes are counted from the state store (the
@@ -27,19 +27,19 @@ type Limits struct {
 // never counted twice while its batch runs.
 type Admitter struct {
 	e      *Engine
-	limits Limits
+	limits Admission
 
 	mu       sync.Mutex          // guards reserved, and serialises admission
 	reserved map[string]struct{} // ids of children whose batch is running
 }
 
 // NewAdmitter returns an Admitter forking through e.
-func NewAdmitter(e *Engine, l Limits) *Admitter {
+func NewAdmitter(e *Engine, l Admission) *Admitter {
 	return &Admitter{e: e, limits: l, reserved: map[string]struct{}{}}
 }
 
-// Limits returns the admitter's limits.
-func (a *Admitter) Limits() Limits { return a.limits }
+// Admission returns the admitter's bounds.
+func (a *Admitter) Admission() Admission { return a.limits }
 
 // Fork admits spec (ResourceExhausted when a limit would be passed,
 // InvalidArgument when the batch alone is over MaxSandboxes), then forks

@@ -48,7 +48,7 @@ func TestAdmissionIsExact(t *testing.T) {
 	e.state.Put(&state.Sandbox{ID: "sb-aaaaaaaaaa", Status: state.StatusStarting})
 	e.state.Put(&state.Sandbox{ID: "sb-bbbbbbbbbb", Status: state.StatusRunning})
 	e.state.Put(&state.Sandbox{ID: "sb-cccccccccc", Status: state.StatusStarting})
-	a := NewAdmitter(e, Limits{MaxSandboxes: 20, MaxPending: 100})
+	a := NewAdmitter(e, Admission{MaxSandboxes: 20, MaxPending: 100})
 	var mu sync.Mutex
 	var ok, refused int
 	var wg sync.WaitGroup
@@ -79,7 +79,7 @@ func TestAdmissionIsExact(t *testing.T) {
 	if _, err := a.reserve(21); !errdefs.IsInvalidArgument(err) {
 		t.Errorf("a batch over the limit by itself: %v", err)
 	}
-	b := NewAdmitter(e, Limits{MaxPending: 3})
+	b := NewAdmitter(e, Admission{MaxPending: 3})
 	ids, err := b.reserve(3)
 	if err != nil {
 		t.Fatal(err)

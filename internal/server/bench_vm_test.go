@@ -19,7 +19,7 @@ import (
 // its process start). Run: go test -run=^$ -bench=API ./internal/server
 func BenchmarkAPI(b *testing.B) {
 	testvm.Require(b)
-	d := startDaemon(b, testvm.Backend(b), sandbox.Limits{}, func(ec *sandbox.Config, _ *Config) {
+	d := startDaemon(b, testvm.Backend(b), sandbox.Admission{}, func(ec *sandbox.Config, _ *Config) {
 		ec.CacheDir = testvm.CacheDir(b)
 		ec.AgentPath = testvm.AgentBinary(b)
 	})

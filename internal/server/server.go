@@ -90,7 +90,7 @@ func New(cfg Config) (*Server, error) {
 		return nil, errdefs.InvalidArgument("server: no engine")
 	}
 	if cfg.Admitter == nil {
-		cfg.Admitter = sandbox.NewAdmitter(cfg.Engine, sandbox.Limits{})
+		cfg.Admitter = sandbox.NewAdmitter(cfg.Engine, sandbox.Admission{})
 	}
 	if cfg.Expirer == nil {
 		cfg.Expirer = sandbox.NewExpirer(cfg.Engine)

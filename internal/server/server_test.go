@@ -60,7 +60,7 @@ type daemon struct {
 	done   chan error
 }
 
-func startDaemon(t testing.TB, be vmm.Backend, lim sandbox.Limits, tune func(*sandbox.Config, *Config)) *daemon {
+func startDaemon(t testing.TB, be vmm.Backend, lim sandbox.Admission, tune func(*sandbox.Config, *Config)) *daemon {
 	t.Helper()
 	data := t.TempDir()
 	ecfg := sandbox.Config{DataDir: data, Backend: be, Daemon: true, MaxChildren: 50,
@@ -187,7 +187,7 @@ func apiError(t testing.TB, b []byte) apiv1.Error {
 }
 
 func TestAuth(t *testing.T) {
-	d := startDaemon(t, fakeNoVMs{}, sandbox.Limits{}, nil)
+	d := startDaemon(t, fakeNoVMs{}, sandbox.Admission{}, nil)
 	if code, b := d.call(t, "GET", "/healthz", "", nil); code != 200 || !strings.Contains(string(b), `"ok"`) {
 		t.Errorf("healthz without token: %d %s", code, b)
 	}
@@ -233,7 +233,7 @@ func TestAuth(t *testing.T) {
 }
 
 func TestNotFoundAndMethods(t *testing.T) {
-	d := startDaemon(t, fakeNoVMs{}, sandbox.Limits{}, nil)
+	d := startDaemon(t, fakeNoVMs{}, sandbox.Admission{}, nil)
 	cases := []struct {
 		method, path string
 		status       int
@@ -274,7 +274,7 @@ func TestNotFoundAndMethods(t *testing.T) {
 }
 
 func TestHostileCreateChangesNothing(t *testing.T) {
-	d := startDaemon(t, fakeNoVMs{}, sandbox.Limits{}, nil)
+	d := startDaemon(t, fakeNoVMs{}, sandbox.Admission{}, nil)
 	huge := `{"snapshot_tag":"base","metadata":{"k":"` + strings.Repeat("x", 10<<20) + `"}}`
 	cases := []struct {
 		name, body string
@@ -362,7 +362,7 @@ func manyKeys(n int) string {
 }
 
 func TestOpenAPIMatchesRoutes(t *testing.T) {
-	d := startDaemon(t, fakeNoVMs{}, sandbox.Limits{}, nil)
+	d := startDaemon(t, fakeNoVMs{}, sandbox.Admission{}, nil)
 	code, b := d.call(t, "GET", "/v1/openapi.json", "", nil)
 	if code != 200 {
 		t.Fatalf("openapi.json: %d %s", code, b)
@@ -425,7 +425,7 @@ func mustJSON(v any) []byte {
 }
 
 func TestMetrics(t *testing.T) {
-	d := startDaemon(t, fakeNoVMs{}, sandbox.Limits{}, nil)
+	d := startDaemon(t, fakeNoVMs{}, sandbox.Admission{}, nil)
 	d.call(t, "GET", "/v1/sandboxes", testToken, nil)
 	code, b := d.call(t, "GET", "/metrics", testToken, nil)
 	if code != 200 {

@@ -24,7 +24,7 @@ import (
 // run in order.
 func TestServerVM(t *testing.T) {
 	testvm.Require(t)
-	d := startDaemon(t, testvm.Backend(t), sandbox.Limits{MaxSandboxes: 20}, func(ec *sandbox.Config, _ *Config) {
+	d := startDaemon(t, testvm.Backend(t), sandbox.Admission{MaxSandboxes: 20}, func(ec *sandbox.Config, _ *Config) {
 		ec.CacheDir = testvm.CacheDir(t)
 		ec.AgentPath = testvm.AgentBinary(t)
 		ec.VMMUser = testvm.VMMUser()

@@ -13,7 +13,7 @@ import (
 )
 
 func TestQueryParametersChecked(t *testing.T) {
-	d := startDaemon(t, fakeNoVMs{}, sandbox.Limits{}, nil)
+	d := startDaemon(t, fakeNoVMs{}, sandbox.Admission{}, nil)
 	for _, c := range []struct{ path, want string }{
 		{"/v1/sandboxes?status=runing", `status "runing": want one of starting, running`},
 		{"/v1/sandboxes?stauts=running", `unknown query parameter "stauts": want one of snapshot, metadata, status`},
@@ -57,7 +57,7 @@ func TestForkLimitsChecked(t *testing.T) {
 		}
 	}
 	// Over the API, before anything is made.
-	d := startDaemon(t, fakeNoVMs{}, sandbox.Limits{}, nil)
+	d := startDaemon(t, fakeNoVMs{}, sandbox.Admission{}, nil)
 	for _, body := range []string{`{"snapshot_tag":"base","cpus":0.001}`, `{"snapshot_tag":"base","cpus":1e300}`} {
 		code, b := d.call(t, "POST", "/v1/sandboxes", testToken, strings.NewReader(body))
 		if e := apiError(t, b); code != 400 || !strings.Contains(e.Message, "cpus") {
@@ -74,7 +74,7 @@ func TestForkLimitsChecked(t *testing.T) {
 // before an operation starts.
 func TestSnapshotImportChecked(t *testing.T) {
 	imports := t.TempDir()
-	d := startDaemon(t, fakeNoVMs{}, sandbox.Limits{}, func(_ *sandbox.Config, c *Config) { c.ImportDir = imports })
+	d := startDaemon(t, fakeNoVMs{}, sandbox.Admission{}, func(_ *sandbox.Config, c *Config) { c.ImportDir = imports })
 	outside := filepath.Join(t.TempDir(), "img.tar")
 	os.WriteFile(outside, []byte("x"), 0o644)
 	os.Symlink(outside, filepath.Join(imports, "link.tar"))

@@ -165,7 +165,7 @@ func Dial(ctx context.Context, conn net.Conn, opts Options) (*Client, error) {
 	for {
 		f, err := r.Next()
 		if err != nil {
-			return fail(errdefs.Unavailable("agent handshake: %v", err))
+			return fail(errdefs.Unavailable("agent handshake: %w", err))
 		}
 		if f.Type != proto.TypeHelloAck {
 			continue
@@ -280,7 +280,7 @@ func (w connWriter) Write(p []byte) (int, error) {
 	c.conn.SetWriteDeadline(dl)
 	n, err := c.conn.Write(p)
 	if err != nil {
-		c.stop(errdefs.Unavailable("agent connection lost: write: %v", err))
+		c.stop(errdefs.Unavailable("agent connection lost: write: %w", err))
 	}
 	return n, err
 }
@@ -300,7 +300,7 @@ func (c *Client) readLoop(r *proto.Reader, nextSeq uint32) {
 			return
 		}
 		if err != nil {
-			c.stop(errdefs.Unavailable("agent connection lost: %v", err))
+			c.stop(errdefs.Unavailable("agent connection lost: %w", err))
 			return
 		}
 		if f.Seq != nextSeq {
@@ -384,7 +384,7 @@ func (c *Client) ackLoop() {
 		}
 		if n := c.owed.Swap(0); n > 0 {
 			if err := c.w.WriteFrame(proto.Frame{Type: proto.TypeWindow, Payload: proto.WindowPayload(uint32(n))}); err != nil {
-				c.stop(errdefs.Unavailable("agent connection lost: %v", err))
+				c.stop(errdefs.Unavailable("agent connection lost: %w", err))
 				return
 			}
 		}
@@ -401,7 +401,7 @@ func (c *Client) start(ctx context.Context, op string, args any) (*call, error) 
 	if args != nil {
 		b, err := json.Marshal(args)
 		if err != nil {
-			return nil, errdefs.InvalidArgument("agent %s: %v", op, err)
+			return nil, errdefs.InvalidArgument("agent %s: %w", op, err)
 		}
 		raw = b
 	}

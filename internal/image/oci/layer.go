@@ -146,7 +146,7 @@ func applyLayer(ctx context.Context, t *rootfs.Tree, r io.Reader, o ApplyOptions
 		}
 		name, err := rootfs.Clean(hdr.Name)
 		if err != nil {
-			return errdefs.InvalidArgument("layer entry %q refused: %v", hdr.Name, err)
+			return errdefs.InvalidArgument("layer entry %q refused: %w", hdr.Name, err)
 		}
 		if name == "." {
 			continue // the root itself
@@ -365,7 +365,7 @@ func malformed(err error) error {
 func Unpack(ctx context.Context, img v1.Image, t *rootfs.Tree, o ApplyOptions, progress io.Writer) error {
 	layers, err := img.Layers()
 	if err != nil {
-		return errdefs.InvalidArgument("image layers: %v", err)
+		return errdefs.InvalidArgument("image layers: %w", err)
 	}
 	if len(layers) > MaxLayers {
 		return errdefs.InvalidArgument("image has %d layers; the limit is %d", len(layers), MaxLayers)
@@ -387,11 +387,11 @@ func Unpack(ctx context.Context, img v1.Image, t *rootfs.Tree, o ApplyOptions, p
 func unpackLayer(ctx context.Context, l v1.Layer, t *rootfs.Tree, o ApplyOptions, b *budget, started func(v1.Hash, int64)) error {
 	digest, err := l.Digest()
 	if err != nil {
-		return errdefs.InvalidArgument("digest: %v", err)
+		return errdefs.InvalidArgument("digest: %w", err)
 	}
 	diffID, err := l.DiffID()
 	if err != nil {
-		return errdefs.InvalidArgument("layer %s: diff_id: %v", digest, err)
+		return errdefs.InvalidArgument("layer %s: diff_id: %w", digest, err)
 	}
 	size, _ := l.Size()
 	started(digest, size)
@@ -404,7 +404,7 @@ func unpackLayer(ctx context.Context, l v1.Layer, t *rootfs.Tree, o ApplyOptions
 	compressed := io.TeeReader(rc, zsum)
 	zr, err := decompress(compressed)
 	if err != nil {
-		return errdefs.InvalidArgument("layer %s: %v", digest, err)
+		return errdefs.InvalidArgument("layer %s: %w", digest, err)
 	}
 	defer zr.Close()
 	sum := sha256.New()

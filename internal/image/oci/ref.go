@@ -153,7 +153,7 @@ func Locate(ref, root string) (Kind, string, error) {
 		// Confined, and not in root: never looked up against the working
 		// directory (that would reach, and tell of, any file on the host).
 		if _, err := name.ParseReference(ref); err != nil {
-			return "", "", errdefs.InvalidArgument("image reference %q: %v", ref, err)
+			return "", "", errdefs.InvalidArgument("image reference %q: %w", ref, err)
 		}
 		return KindRegistry, ref, nil
 	}
@@ -170,7 +170,7 @@ func Locate(ref, root string) (Kind, string, error) {
 		return "", "", errdefs.NotFound("image %s: no such file", ref)
 	}
 	if _, err := name.ParseReference(ref); err != nil {
-		return "", "", errdefs.InvalidArgument("image reference %q: %v", ref, err)
+		return "", "", errdefs.InvalidArgument("image reference %q: %w", ref, err)
 	}
 	return KindRegistry, ref, nil
 }
@@ -181,7 +181,7 @@ func Locate(ref, root string) (Kind, string, error) {
 func confine(path, root string) (string, error) {
 	rroot, err := filepath.EvalSymlinks(root)
 	if err != nil {
-		return "", errdefs.FailedPrecondition("import directory %s: %v", root, err)
+		return "", errdefs.FailedPrecondition("import directory %s: %w", root, err)
 	}
 	if !filepath.IsAbs(path) {
 		path = filepath.Join(root, path)
@@ -219,7 +219,7 @@ func openRemote(ctx context.Context, ref string, o OpenOptions) (*Source, error)
 	}
 	r, err := name.ParseReference(ref, nopts...)
 	if err != nil {
-		return nil, errdefs.InvalidArgument("image reference %q: %v", ref, err)
+		return nil, errdefs.InvalidArgument("image reference %q: %w", ref, err)
 	}
 	kc := o.Keychain
 	if kc == nil {
@@ -240,14 +240,14 @@ func openRemote(ctx context.Context, ref string, o OpenOptions) (*Source, error)
 
 func openTarball(path string) (*Source, error) {
 	if _, err := os.Stat(path); err != nil {
-		return nil, errdefs.NotFound("image tarball %s: %v", path, err)
+		return nil, errdefs.NotFound("image tarball %s: %w", path, err)
 	}
 	if err := checkTarball(path); err != nil {
 		return nil, err
 	}
 	img, err := tarball.ImageFromPath(path, nil)
 	if err != nil {
-		return nil, errdefs.InvalidArgument("image tarball %s: %v", path, err)
+		return nil, errdefs.InvalidArgument("image tarball %s: %w", path, err)
 	}
 	return &Source{Image: img, Kind: KindTarball}, nil
 }
@@ -255,7 +255,7 @@ func openTarball(path string) (*Source, error) {
 func openLayout(path string, p v1.Platform) (*Source, error) {
 	if _, err := os.Stat(filepath.Join(path, "oci-layout")); err != nil {
 		if _, derr := os.Stat(path); derr != nil {
-			return nil, errdefs.NotFound("OCI layout %s: %v", path, derr)
+			return nil, errdefs.NotFound("OCI layout %s: %w", path, derr)
 		}
 		return nil, errdefs.InvalidArgument("OCI layout %s: no oci-layout file", path)
 	}
@@ -273,7 +273,7 @@ func openLayout(path string, p v1.Platform) (*Source, error) {
 	}
 	idx, err := layout.ImageIndexFromPath(path)
 	if err != nil {
-		return nil, errdefs.InvalidArgument("OCI layout %s: %v", path, err)
+		return nil, errdefs.InvalidArgument("OCI layout %s: %w", path, err)
 	}
 	blob := func(h v1.Hash) error { return layoutBlob(path, h, MaxMetadata) }
 	img, err := pickImage(idx, p, blob, 0)
@@ -296,7 +296,7 @@ func pickImage(idx v1.ImageIndex, p v1.Platform, blob func(v1.Hash) error, depth
 	}
 	im, err := idx.IndexManifest()
 	if err != nil {
-		return nil, errdefs.InvalidArgument("index: %v", err)
+		return nil, errdefs.InvalidArgument("index: %w", err)
 	}
 	// A candidate is an image manifest of idx (load is nil) or the image a
 	// nested index picked.
@@ -322,7 +322,7 @@ func pickImage(idx v1.ImageIndex, p v1.Platform, blob func(v1.Hash) error, depth
 			}
 			child, err := idx.ImageIndex(d.Digest)
 			if err != nil {
-				return nil, errdefs.InvalidArgument("index %s: %v", d.Digest, err)
+				return nil, errdefs.InvalidArgument("index %s: %w", d.Digest, err)
 			}
 			img, err := pickImage(child, p, blob, depth+1)
 			if err != nil {
@@ -351,7 +351,7 @@ func pickImage(idx v1.ImageIndex, p v1.Platform, blob func(v1.Hash) error, depth
 	}
 	img, err := idx.Image(pick.digest)
 	if err != nil {
-		return nil, errdefs.InvalidArgument("image %s: %v", pick.digest, err)
+		return nil, errdefs.InvalidArgument("image %s: %w", pick.digest, err)
 	}
 	return img, nil
 }
@@ -369,25 +369,25 @@ func classify(ref string, err error, kind Kind) error {
 		for _, d := range terr.Errors {
 			switch d.Code {
 			case transport.ManifestUnknownErrorCode, transport.NameUnknownErrorCode, transport.BlobUnknownErrorCode:
-				return errdefs.NotFound("image %s: %v", ref, err)
+				return errdefs.NotFound("image %s: %w", ref, err)
 			case transport.UnauthorizedErrorCode, transport.DeniedErrorCode:
-				return errdefs.Unauthenticated("image %s: %v", ref, err)
+				return errdefs.Unauthenticated("image %s: %w", ref, err)
 			}
 		}
 		switch terr.StatusCode {
 		case http.StatusNotFound:
-			return errdefs.NotFound("image %s: %v", ref, err)
+			return errdefs.NotFound("image %s: %w", ref, err)
 		case http.StatusUnauthorized, http.StatusForbidden:
-			return errdefs.Unauthenticated("image %s: %v", ref, err)
+			return errdefs.Unauthenticated("image %s: %w", ref, err)
 		}
-		return errdefs.Unavailable("image %s: %v", ref, err)
+		return errdefs.Unavailable("image %s: %w", ref, err)
 	}
 	var nerr net.Error
 	if errors.As(err, &nerr) || errors.Is(err, os.ErrDeadlineExceeded) {
-		return errdefs.Unavailable("image %s: %v", ref, err)
+		return errdefs.Unavailable("image %s: %w", ref, err)
 	}
 	if kind == KindRegistry {
-		return errdefs.Unavailable("image %s: %v", ref, err)
+		return errdefs.Unavailable("image %s: %w", ref, err)
 	}
-	return errdefs.InvalidArgument("image %s: %v", ref, err)
+	return errdefs.InvalidArgument("image %s: %w", ref, err)
 }

@@ -23,7 +23,7 @@ import (
 func checkManifest(img v1.Image) error {
 	m, err := img.Manifest()
 	if err != nil {
-		return errdefs.InvalidArgument("manifest: %v", err)
+		return errdefs.InvalidArgument("manifest: %w", err)
 	}
 	if len(m.Layers) > MaxLayers {
 		return errdefs.InvalidArgument("image has %d layers; the limit is %d", len(m.Layers), MaxLayers)
@@ -33,7 +33,7 @@ func checkManifest(img v1.Image) error {
 	}
 	raw, err := img.RawConfigFile()
 	if err != nil {
-		return errdefs.InvalidArgument("config: %v", err)
+		return errdefs.InvalidArgument("config: %w", err)
 	}
 	got, _, err := v1.SHA256(bytes.NewReader(raw))
 	if err != nil {
@@ -54,7 +54,7 @@ func checkLayoutFile(path string, max int64) error {
 		return errdefs.NotFound("%s: no such file", path)
 	}
 	if err != nil {
-		return errdefs.InvalidArgument("%v", err)
+		return errdefs.InvalidArgument("%w", err)
 	}
 	if fi.Mode()&fs.ModeSymlink != 0 {
 		return errdefs.InvalidArgument("%s is a symlink; the files of a layout must be regular files", path)
@@ -83,11 +83,11 @@ func layoutBlob(dir string, h v1.Hash, max int64) error {
 func checkLayoutImage(dir string, img v1.Image) error {
 	d, err := img.Digest()
 	if err != nil {
-		return errdefs.InvalidArgument("manifest: %v", err)
+		return errdefs.InvalidArgument("manifest: %w", err)
 	}
 	m, err := img.Manifest()
 	if err != nil {
-		return errdefs.InvalidArgument("manifest %s: %v", d, err)
+		return errdefs.InvalidArgument("manifest %s: %w", d, err)
 	}
 	if err := layoutBlob(dir, m.Config.Digest, MaxMetadata); err != nil {
 		return err
@@ -106,7 +106,7 @@ func checkLayoutImage(dir string, img v1.Image) error {
 func checkTarball(path string) error {
 	f, err := os.Open(path)
 	if err != nil {
-		return errdefs.NotFound("image tarball %s: %v", path, err)
+		return errdefs.NotFound("image tarball %s: %w", path, err)
 	}
 	defer f.Close()
 	sizes := map[string]int64{}
@@ -118,7 +118,7 @@ func checkTarball(path string) error {
 			break
 		}
 		if err != nil {
-			return errdefs.InvalidArgument("image tarball %s: %v", path, err)
+			return errdefs.InvalidArgument("image tarball %s: %w", path, err)
 		}
 		name := filepath.Clean(hdr.Name)
 		sizes[name] = hdr.Size
@@ -127,13 +127,13 @@ func checkTarball(path string) error {
 				return errdefs.InvalidArgument("image tarball %s: manifest.json is %d bytes; the limit is %d", path, hdr.Size, MaxMetadata)
 			}
 			if manifest, err = io.ReadAll(tr); err != nil {
-				return errdefs.InvalidArgument("image tarball %s: %v", path, err)
+				return errdefs.InvalidArgument("image tarball %s: %w", path, err)
 			}
 		}
 	}
 	var entries []struct{ Config string }
 	if err := json.Unmarshal(manifest, &entries); err != nil {
-		return errdefs.InvalidArgument("image tarball %s: manifest.json: %v", path, err)
+		return errdefs.InvalidArgument("image tarball %s: manifest.json: %w", path, err)
 	}
 	for _, e := range entries {
 		if n := sizes[filepath.Clean(e.Config)]; n > MaxMetadata {

@@ -164,7 +164,7 @@ func (b *Builder) ensureBusybox(ctx context.Context) (*busyboxEntry, error) {
 func (b *Builder) ensureInitramfs(ctx context.Context, k *kernelEntry, withBusybox bool) (string, string, error) {
 	agentSHA, err := sha256File(b.AgentPath)
 	if err != nil {
-		return "", "", errdefs.NotFound("agent binary: %v", err)
+		return "", "", errdefs.NotFound("agent binary: %w", err)
 	}
 	spec := initramfs.Spec{Agent: b.AgentPath}
 	for _, f := range k.manifest.Modules {
@@ -200,7 +200,7 @@ func (b *Builder) ensureInitramfs(ctx context.Context, k *kernelEntry, withBusyb
 func checkStatic(path string) error {
 	f, err := elf.Open(path)
 	if err != nil {
-		return errdefs.InvalidArgument("%s is not an ELF executable: %v", path, err)
+		return errdefs.InvalidArgument("%s is not an ELF executable: %w", path, err)
 	}
 	defer f.Close()
 	for _, p := range f.Progs {

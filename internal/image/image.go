@@ -235,13 +235,13 @@ func checkAgent(path string) error {
 	}
 	fi, err := os.Stat(path)
 	if err != nil {
-		return errdefs.NotFound("agent binary: %v", err)
+		return errdefs.NotFound("agent binary: %w", err)
 	}
 	if !fi.Mode().IsRegular() {
 		return errdefs.InvalidArgument("agent binary %s is not a regular file", path)
 	}
 	if err := checkStatic(path); err != nil {
-		return errdefs.InvalidArgument("agent binary: %v (build it with CGO_ENABLED=0)", err)
+		return errdefs.InvalidArgument("agent binary: %w (build it with CGO_ENABLED=0)", err)
 	}
 	return nil
 }

@@ -215,7 +215,7 @@ func (b *Builder) loadImported(ctx context.Context, name string) (*Image, error)
 	dir := filepath.Join(b.CacheDir, kindRootfs, rec.RootfsKey)
 	info, err := readRootfsInfo(dir)
 	if err != nil {
-		return nil, errdefs.NotFound("image %s: root filesystem gone from the cache (%v); import it again", name, err)
+		return nil, errdefs.NotFound("image %s: root filesystem gone from the cache (%w); import it again", name, err)
 	}
 	k, err := b.ensureKernel(ctx)
 	if err != nil {

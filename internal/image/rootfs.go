@@ -54,7 +54,7 @@ func (r *rootfsEntry) image() string { return filepath.Join(r.dir, rootfsImage) 
 func readRootfsInfo(dir string) (*rootfsInfo, error) {
 	b, err := os.ReadFile(filepath.Join(dir, rootfsManifest))
 	if err != nil {
-		return nil, errdefs.NotFound("rootfs manifest: %v", err)
+		return nil, errdefs.NotFound("rootfs manifest: %w", err)
 	}
 	var m rootfsInfo
 	if err := json.Unmarshal(b, &m); err != nil || m.Format != rootfsFormat {
@@ -156,7 +156,7 @@ func (b *Builder) ensureDebootstrapRootfs(ctx context.Context, s RootfsSpec) (*r
 		m.Python = rootfs.FindPython(t)
 		if s.Python != "" {
 			if _, err := t.Stat(strings.TrimPrefix(s.Python, "/")); err != nil {
-				return errdefs.FailedPrecondition("debootstrap left no %s: %v", s.Python, err)
+				return errdefs.FailedPrecondition("debootstrap left no %s: %w", s.Python, err)
 			}
 			m.Python = s.Python
 		}

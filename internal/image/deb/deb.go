@@ -178,9 +178,9 @@ func (t Tools) Update(ctx context.Context) error {
 			return err
 		}
 		if os.Geteuid() != 0 {
-			return errdefs.FailedPrecondition("apt has no package lists and apt-get update needs root: %v", err)
+			return errdefs.FailedPrecondition("apt has no package lists and apt-get update needs root: %w", err)
 		}
-		return errdefs.Unavailable("apt-get update: %v", err)
+		return errdefs.Unavailable("apt-get update: %w", err)
 	}
 	return nil
 }
@@ -205,7 +205,7 @@ func (t Tools) Download(ctx context.Context, p Package, dir string) (string, err
 	}
 	before, _ := filepath.Glob(filepath.Join(dir, "*.deb"))
 	if _, err := run(ctx, dir, t.tool(t.AptGet, "apt-get"), "download", "-q", p.Name+"="+p.Version); err != nil {
-		return "", errdefs.Unavailable("download %s %s: %v", p.Name, p.Version, err)
+		return "", errdefs.Unavailable("download %s %s: %w", p.Name, p.Version, err)
 	}
 	after, _ := filepath.Glob(filepath.Join(dir, p.Name+"_*.deb"))
 	for _, f := range after {
@@ -219,11 +219,11 @@ func (t Tools) Download(ctx context.Context, p Package, dir string) (string, err
 // Fields reads the control fields of the .deb at path.
 func (t Tools) Fields(ctx context.Context, path string) (Package, error) {
 	if _, err := os.Stat(path); err != nil {
-		return Package{}, errdefs.NotFound("package file %s: %v", path, err)
+		return Package{}, errdefs.NotFound("package file %s: %w", path, err)
 	}
 	out, err := run(ctx, "", t.tool(t.DpkgDeb, "dpkg-deb"), "-f", path, "Package", "Version", "Architecture", "Depends")
 	if err != nil {
-		return Package{}, errdefs.InvalidArgument("%s is not a readable .deb: %v", path, err)
+		return Package{}, errdefs.InvalidArgument("%s is not a readable .deb: %w", path, err)
 	}
 	p := parseControl(out)
 	if p.Name == "" || p.Version == "" {
@@ -236,7 +236,7 @@ func (t Tools) Fields(ctx context.Context, path string) (Package, error) {
 // maintainer script runs.
 func (t Tools) Extract(ctx context.Context, path, dir string) error {
 	if _, err := run(ctx, "", t.tool(t.DpkgDeb, "dpkg-deb"), "-x", path, dir); err != nil {
-		return errdefs.InvalidArgument("extract %s: %v", filepath.Base(path), err)
+		return errdefs.InvalidArgument("extract %s: %w", filepath.Base(path), err)
 	}
 	return nil
 }
@@ -254,7 +254,7 @@ func (t Tools) tool(path, name string) string {
 func LookPath(name string) (string, error) {
 	if filepath.IsAbs(name) {
 		if _, err := exec.LookPath(name); err != nil {
-			return "", errdefs.FailedPrecondition("command %s: %v", name, err)
+			return "", errdefs.FailedPrecondition("command %s: %w", name, err)
 		}
 		return name, nil
 	}
@@ -290,7 +290,7 @@ func run(ctx context.Context, dir, name string, args ...string) ([]byte, error) 
 		if len(msg) > 2000 {
 			msg = msg[len(msg)-2000:]
 		}
-		return out, fmt.Errorf("%s %s: %v: %s", filepath.Base(path), strings.Join(args, " "), err, msg)
+		return out, fmt.Errorf("%s %s: %w: %s", filepath.Base(path), strings.Join(args, " "), err, msg)
 	}
 	return out, nil
 }

@@ -170,7 +170,7 @@ func writeEntry(cw *cpio.Writer, e *entry) error {
 	}
 	f, err := os.Open(e.src)
 	if err != nil {
-		return errdefs.NotFound("initramfs /%s: %v", h.Name, err)
+		return errdefs.NotFound("initramfs /%s: %w", h.Name, err)
 	}
 	defer f.Close()
 	fi, err := f.Stat()
@@ -201,7 +201,7 @@ func Applets(ctx context.Context, busybox string) ([]string, error) {
 	if err != nil || len(bytes.TrimSpace(out)) == 0 {
 		out, err = exec.CommandContext(ctx, busybox, "--list").Output()
 		if err != nil {
-			return nil, errdefs.InvalidArgument("%s --list: %v", busybox, err)
+			return nil, errdefs.InvalidArgument("%s --list: %w", busybox, err)
 		}
 	}
 	var list []string

@@ -89,7 +89,7 @@ func (s Source) Resolve(ctx context.Context) (deb.Package, error) {
 		}
 		return p, nil
 	}
-	return deb.Package{}, errdefs.NotFound("no kernel package: none of %s is known to apt: %v",
+	return deb.Package{}, errdefs.NotFound("no kernel package: none of %s is known to apt: %w",
 		strings.Join(metas, ", "), errors.Join(errs...))
 }
 
@@ -197,11 +197,11 @@ func Fetch(ctx context.Context, s Source, pkg deb.Package, dir string, want []st
 func ReadManifest(dir string) (*Manifest, error) {
 	b, err := os.ReadFile(filepath.Join(dir, ManifestFile))
 	if err != nil {
-		return nil, errdefs.NotFound("kernel manifest: %v", err)
+		return nil, errdefs.NotFound("kernel manifest: %w", err)
 	}
 	var m Manifest
 	if err := json.Unmarshal(b, &m); err != nil {
-		return nil, errdefs.NotFound("kernel manifest %s: %v", dir, err)
+		return nil, errdefs.NotFound("kernel manifest %s: %w", dir, err)
 	}
 	if m.Format != ManifestFormat {
 		return nil, errdefs.NotFound("kernel manifest %s: format %d, want %d", dir, m.Format, ManifestFormat)

@@ -172,7 +172,7 @@ func ReadModinfo(path string) (map[string]string, error) {
 	}
 	f, err := elf.NewFile(bytes.NewReader(data))
 	if err != nil {
-		return nil, errdefs.InvalidArgument("module %s: not an ELF file: %v", filepath.Base(path), err)
+		return nil, errdefs.InvalidArgument("module %s: not an ELF file: %w", filepath.Base(path), err)
 	}
 	defer f.Close()
 	sec := f.Section(".modinfo")
@@ -181,7 +181,7 @@ func ReadModinfo(path string) (map[string]string, error) {
 	}
 	raw, err := sec.Data()
 	if err != nil {
-		return nil, errdefs.InvalidArgument("module %s: .modinfo: %v", filepath.Base(path), err)
+		return nil, errdefs.InvalidArgument("module %s: .modinfo: %w", filepath.Base(path), err)
 	}
 	info := map[string]string{}
 	for _, kv := range bytes.Split(raw, []byte{0}) {
@@ -216,20 +216,20 @@ func readModule(path string) ([]byte, error) {
 	case strings.HasSuffix(path, ".xz"):
 		d, err := xz.NewReader(f)
 		if err != nil {
-			return nil, errdefs.InvalidArgument("module %s: %v", filepath.Base(path), err)
+			return nil, errdefs.InvalidArgument("module %s: %w", filepath.Base(path), err)
 		}
 		r = d
 	case strings.HasSuffix(path, ".gz"):
 		d, err := gzip.NewReader(f)
 		if err != nil {
-			return nil, errdefs.InvalidArgument("module %s: %v", filepath.Base(path), err)
+			return nil, errdefs.InvalidArgument("module %s: %w", filepath.Base(path), err)
 		}
 		defer d.Close()
 		r = d
 	}
 	data, err := io.ReadAll(io.LimitReader(r, maxModuleSize+1))
 	if err != nil {
-		return nil, errdefs.InvalidArgument("module %s: %v", filepath.Base(path), err)
+		return nil, errdefs.InvalidArgument("module %s: %w", filepath.Base(path), err)
 	}
 	if len(data) > maxModuleSize {
 		return nil, errdefs.InvalidArgument("module %s: larger than %d bytes", filepath.Base(path), maxModuleSize)

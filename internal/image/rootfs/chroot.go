@@ -144,9 +144,9 @@ func (tl Tools) InstallPackages(ctx context.Context, t *Tree, pkgs []string, pro
 		}
 		msg := tail.String()
 		if strings.Contains(msg, "Unable to locate package") {
-			return errdefs.NotFound("apt-get install %s: %v\n%s", strings.Join(pkgs, " "), err, msg)
+			return errdefs.NotFound("apt-get install %s: %w\n%s", strings.Join(pkgs, " "), err, msg)
 		}
-		return errdefs.Unavailable("apt-get install %s: %v\n%s", strings.Join(pkgs, " "), err, msg)
+		return errdefs.Unavailable("apt-get install %s: %w\n%s", strings.Join(pkgs, " "), err, msg)
 	}
 	return nil
 }

@@ -112,7 +112,7 @@ func (tl Tools) Bootstrap(ctx context.Context, d Bootstrap, dir string, progress
 		if ctx.Err() != nil {
 			return ctx.Err()
 		}
-		return errdefs.Unavailable("debootstrap %s from %s: %v\n%s", d.Suite, d.Mirror, err, msg)
+		return errdefs.Unavailable("debootstrap %s from %s: %w\n%s", d.Suite, d.Mirror, err, msg)
 	}
 	return nil
 }
@@ -184,7 +184,7 @@ func (tl Tools) MakeExt4(ctx context.Context, dir, out string, o Ext4Options) (i
 		if ctx.Err() != nil {
 			return 0, ctx.Err()
 		}
-		return 0, fmt.Errorf("mkfs.ext4 (%d MiB, %d inodes): %v: %s", size>>20, ninodes, err, tail.String())
+		return 0, fmt.Errorf("mkfs.ext4 (%d MiB, %d inodes): %w: %s", size>>20, ninodes, err, tail.String())
 	}
 	return size, fsutil.SyncFile(out)
 }

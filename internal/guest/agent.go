@@ -367,7 +367,7 @@ func (c *conn) request(id uint32, msg []byte) {
 	}
 	var req proto.Request
 	if err := json.Unmarshal(msg, &req); err != nil {
-		go r.finish(nil, errdefs.InvalidArgument("request %d: %v", id, err))
+		go r.finish(nil, errdefs.InvalidArgument("request %d: %w", id, err))
 		return
 	}
 	r.op = req.Op
@@ -534,7 +534,7 @@ func decode(args json.RawMessage, v any) error {
 		return nil
 	}
 	if err := json.Unmarshal(args, v); err != nil {
-		return errdefs.InvalidArgument("arguments: %v", err)
+		return errdefs.InvalidArgument("arguments: %w", err)
 	}
 	return nil
 }

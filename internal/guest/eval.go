@@ -51,7 +51,7 @@ func (in *interp) eval(ctx context.Context, r *request, req proto.EvalRequest, s
 	id, err := in.send(p, pyReq{Op: "eval", Code: req.Code})
 	if err != nil {
 		in.kill(p)
-		return nil, errdefs.Unavailable("eval: python interpreter is gone (%v); restarted", err)
+		return nil, errdefs.Unavailable("eval: python interpreter is gone (%w); restarted", err)
 	}
 	var timeout <-chan time.Time
 	if req.Timeout > 0 {

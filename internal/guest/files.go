@@ -127,7 +127,7 @@ func (a *Agent) fileRead(ctx context.Context, r *request, args json.RawMessage) 
 		n, rerr := f.Read(buf)
 		if n > 0 {
 			if err := r.sendData(ctx, proto.StreamFile, buf[:n], false); err != nil {
-				return nil, errdefs.Unavailable("read %s: %v", p, err)
+				return nil, errdefs.Unavailable("read %s: %w", p, err)
 			}
 			total += int64(n)
 		}
@@ -289,7 +289,7 @@ func (a *Agent) fileList(ctx context.Context, r *request, args json.RawMessage) 
 			fi := fileInfo(child, info)
 			b, err := json.Marshal(fi)
 			if err != nil {
-				return errdefs.InvalidArgument("list %s: encode %s: %v", p, child, err)
+				return errdefs.InvalidArgument("list %s: encode %s: %w", p, child, err)
 			}
 			if size += len(b) + 1; size > maxListBytes {
 				return errdefs.ResourceExhausted("list %s: entries exceed %d bytes encoded after %d entries; list less depth or a smaller directory",

@@ -201,7 +201,7 @@ func (a *Agent) signalProc(p *proc, sig syscall.Signal) error {
 		return errdefs.FailedPrecondition("process %d has ended", p.pid)
 	}
 	if err := killGroup(p.pid, sig); err != nil {
-		return errdefs.FailedPrecondition("signal process %d: %v", p.pid, err)
+		return errdefs.FailedPrecondition("signal process %d: %w", p.pid, err)
 	}
 	return nil
 }
@@ -250,7 +250,7 @@ func (a *Agent) processStdin(ctx context.Context, r *request, args json.RawMessa
 		stop()
 		p.stdin.SetWriteDeadline(time.Time{})
 		if err != nil {
-			return nil, errdefs.FailedPrecondition("write stdin of process %d: %v", p.pid, err)
+			return nil, errdefs.FailedPrecondition("write stdin of process %d: %w", p.pid, err)
 		}
 	}
 	if req.EOF {
@@ -277,14 +277,14 @@ func (a *Agent) processConnect(ctx context.Context, r *request, args json.RawMes
 		offOut = next
 		if n1 > 0 {
 			if err := r.sendData(ctx, proto.StreamStdout, buf[:n1], false); err != nil {
-				return nil, errdefs.Unavailable("processes.connect: %v", err)
+				return nil, errdefs.Unavailable("processes.connect: %w", err)
 			}
 		}
 		n2, next, endErr, w2 := p.stderr.readAt(offErr, buf)
 		offErr = next
 		if n2 > 0 {
 			if err := r.sendData(ctx, proto.StreamStderr, buf[:n2], false); err != nil {
-				return nil, errdefs.Unavailable("processes.connect: %v", err)
+				return nil, errdefs.Unavailable("processes.connect: %w", err)
 			}
 		}
 		if endOut && endErr {

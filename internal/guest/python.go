@@ -336,7 +336,7 @@ func (in *interp) acquire(ctx context.Context) (*pyProc, error) {
 	if p.startErr != nil {
 		<-in.sem
 		// The next call tries again.
-		return nil, errdefs.Unavailable("python interpreter %s: %v", in.path, p.startErr)
+		return nil, errdefs.Unavailable("python interpreter %s: %w", in.path, p.startErr)
 	}
 	return p, nil
 }

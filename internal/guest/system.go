@@ -148,7 +148,7 @@ func (a *Agent) init(ctx context.Context, r *request, args json.RawMessage) (any
 func sysError(what string, err error) error {
 	var errno syscall.Errno
 	if errors.As(err, &errno) && (errno == syscall.EPERM || errno == syscall.EACCES) {
-		return errdefs.FailedPrecondition("%s: %v", what, err)
+		return errdefs.FailedPrecondition("%s: %w", what, err)
 	}
 	return fmt.Errorf("%s: %w", what, err)
 }

@@ -26,7 +26,7 @@ type account struct {
 func lookupUser(root, name string) (*account, error) {
 	f, err := os.Open(filepath.Join(root, "etc/passwd"))
 	if err != nil && !os.IsNotExist(err) {
-		return nil, errdefs.FailedPrecondition("read /etc/passwd: %v", err)
+		return nil, errdefs.FailedPrecondition("read /etc/passwd: %w", err)
 	}
 	uid, numErr := strconv.ParseUint(name, 10, 32)
 	if f != nil {

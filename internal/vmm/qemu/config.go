@@ -49,7 +49,7 @@ func decodeConfig(b []byte) (machineConfig, error) {
 func decodeShape(b []byte) (machineConfig, error) {
 	var c machineConfig
 	if err := json.Unmarshal(b, &c); err != nil {
-		return c, errdefs.InvalidArgument("qemu machine config: %v", err)
+		return c, errdefs.InvalidArgument("qemu machine config: %w", err)
 	}
 	if c.Machine != "microvm" && c.Machine != "q35" {
 		return c, errdefs.InvalidArgument("qemu machine config: unknown machine %q", c.Machine)

@@ -93,7 +93,7 @@ func (m *Machine) check() error {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if m.stopped {
-		return errdefs.FailedPrecondition("machine %d: %v", m.handle.Process.PID, errStopped)
+		return errdefs.FailedPrecondition("machine %d: %w", m.handle.Process.PID, errStopped)
 	}
 	return nil
 }
@@ -268,7 +268,7 @@ func (m *Machine) DialAgent(ctx context.Context) (net.Conn, error) {
 		if m.exited() {
 			return nil, errdefs.Unavailable("machine has exited")
 		}
-		return nil, errdefs.Unavailable("agent socket: %v", err)
+		return nil, errdefs.Unavailable("agent socket: %w", err)
 	}
 	return c, nil
 }

@@ -235,7 +235,7 @@ func (b *Backend) Park(ctx context.Context, spec vmm.ParkSpec) (vmm.Parked, erro
 		return nil, errdefs.InvalidArgument("restore needs %d disks and %d NICs like its snapshot, got %d and %d", cfg.Disks, len(cfg.NICs), len(spec.Disks), len(spec.NICs))
 	}
 	if _, err := os.Stat(spec.MemoryFile); err != nil {
-		return nil, errdefs.NotFound("memory file: %v", err)
+		return nil, errdefs.NotFound("memory file: %w", err)
 	}
 	args := cfg.identityArgs()
 	args.add(cfg.instanceArgs(instance{
@@ -319,7 +319,7 @@ func (p *parked) Restore(ctx context.Context, spec vmm.RestoreSpec) (vmm.Machine
 	m := p.m
 	state, err := os.Open(spec.StateFile)
 	if err != nil {
-		return nil, m.fail(errdefs.NotFound("state file: %v", err))
+		return nil, m.fail(errdefs.NotFound("state file: %w", err))
 	}
 	defer state.Close()
 	if err := q.execute(ctx, "getfd", map[string]any{"fdname": "state"}, nil, int(state.Fd())); err != nil {

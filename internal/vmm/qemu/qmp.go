@@ -51,7 +51,7 @@ func dialQMP(ctx context.Context, path string, exited func() bool) (*qmp, error)
 		}
 		select {
 		case <-ctx.Done():
-			return nil, fmt.Errorf("connect qmp: %w (last: %v)", ctx.Err(), err)
+			return nil, fmt.Errorf("connect qmp: %w (last: %w)", ctx.Err(), err)
 		case <-time.After(2 * time.Millisecond):
 		}
 	}
@@ -141,7 +141,7 @@ func (q *qmp) ioErr(ctx context.Context, cmd string, err error) error {
 	if errors.Is(err, net.ErrClosed) {
 		return errdefs.Unavailable("qmp %s: connection closed", cmd)
 	}
-	return errdefs.Unavailable("qmp %s: %v", cmd, err)
+	return errdefs.Unavailable("qmp %s: %w", cmd, err)
 }
 
 // migrationStatus is the part of query-migrate forkd reads.

@@ -72,7 +72,7 @@ func (m *Manager) removeDir(dir string, deadline time.Time) error {
 		}
 		if !errors.Is(err, unix.EBUSY) || time.Now().After(deadline) {
 			pids, _ := readPIDs(dir)
-			return errdefs.Unavailable("remove cgroup %s (processes %v): %v", dir, pids, err)
+			return errdefs.Unavailable("remove cgroup %s (processes %v): %w", dir, pids, err)
 		}
 		time.Sleep(10 * time.Millisecond)
 	}

@@ -164,7 +164,7 @@ func (m *Manager) mkdirParent(dir string) error {
 // its process in a leaf.
 func (m *Manager) enableV2() error {
 	if err := m.delegate(m.v2.own); err != nil {
-		return errdefs.FailedPrecondition("cgroup v2: cannot enable controllers below %s (%v): run forkd in a delegated cgroup (systemd Delegate=yes) with its own process in a leaf", m.v2.own, err)
+		return errdefs.FailedPrecondition("cgroup v2: cannot enable controllers below %s (%w): run forkd in a delegated cgroup (systemd Delegate=yes) with its own process in a leaf", m.v2.own, err)
 	}
 	return nil
 }

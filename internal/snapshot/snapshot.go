@@ -172,9 +172,9 @@ func load(dir, tag string) (*Snapshot, error) {
 	var fe *formatError
 	switch {
 	case errors.As(err, &fe):
-		return nil, errdefs.FailedPrecondition("snapshot %q has %v", tag, fe)
+		return nil, errdefs.FailedPrecondition("snapshot %q has %w", tag, fe)
 	case err != nil:
-		return nil, errdefs.FailedPrecondition("snapshot %q is corrupt: %v; remove it (forkd rmi %s)", tag, err, tag)
+		return nil, errdefs.FailedPrecondition("snapshot %q is corrupt: %w; remove it (forkd rmi %s)", tag, err, tag)
 	}
 	return &Snapshot{Metadata: *md, Dir: dir}, nil
 }

@@ -32,7 +32,7 @@ func (s *Store) Create(tag string) (*Writer, error) {
 	}
 	if _, err := os.Lstat(final); err == nil {
 		if _, err := readMetadata(final, tag); err != nil {
-			return nil, errdefs.AlreadyExists("snapshot %q already exists, unusable (%v); remove it first (forkd rmi %s)", tag, err, tag)
+			return nil, errdefs.AlreadyExists("snapshot %q already exists, unusable (%w); remove it first (forkd rmi %s)", tag, err, tag)
 		}
 		return nil, errdefs.AlreadyExists("snapshot %q already exists", tag)
 	}

@@ -555,21 +555,12 @@ func (c *Client) do(ctx context.Context, op string, args, out any) error {
 	return c.wait(ctx, cl, nil, out)
 }
 
-// deadlineError is a call whose context deadline passed: class
-// errdefs.ErrDeadlineExceeded, and context.DeadlineExceeded.
-type deadlineError struct{ op string }
-
-func (e *deadlineError) Error() string {
-	return "agent " + e.op + ": " + context.DeadlineExceeded.Error()
-}
-
-func (e *deadlineError) Unwrap() []error {
-	return []error{errdefs.ErrDeadlineExceeded, context.DeadlineExceeded}
-}
-
+// ctxError is the error of call op whose context ended with err: a passed
+// deadline is of class errdefs.ErrDeadlineExceeded and still matches
+// context.DeadlineExceeded; a cancellation stays unclassed.
 func ctxError(op string, err error) error {
 	if errors.Is(err, context.DeadlineExceeded) {
-		return &deadlineError{op: op}
+		return errdefs.DeadlineExceeded("agent %s: %w", op, err)
 	}
 	return fmt.Errorf("agent %s: %w", op, err)
 }

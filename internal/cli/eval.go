@@ -8,7 +8,7 @@ import (
 
 	"github.com/forkd/forkd/internal/agent/proto"
 	"github.com/forkd/forkd/internal/errdefs"
-	"github.com/forkd/forkd/internal/server"
+	"github.com/forkd/forkd/internal/request"
 )
 
 func newEvalCmd(g *globals) *cobra.Command {
@@ -30,7 +30,7 @@ func newEvalCmd(g *globals) *cobra.Command {
 			if strings.TrimSpace(code) == "" {
 				return errdefs.InvalidArgument("no code: give it after -- or on stdin")
 			}
-			d, err := server.CallTimeout("--timeout", timeout)
+			d, err := request.CallTimeout("--timeout", timeout)
 			if err != nil {
 				return err
 			}

@@ -8,7 +8,7 @@ import (
 	apiv1 "github.com/forkd/forkd/api/v1"
 	"github.com/forkd/forkd/internal/agent"
 	"github.com/forkd/forkd/internal/errdefs"
-	"github.com/forkd/forkd/internal/server"
+	"github.com/forkd/forkd/internal/request"
 )
 
 func newExecCmd(g *globals) *cobra.Command {
@@ -28,7 +28,7 @@ func newExecCmd(g *globals) *cobra.Command {
 			if err != nil {
 				return err
 			}
-			if _, err := server.CallTimeout("--timeout", timeout.Seconds()); err != nil {
+			if _, err := request.CallTimeout("--timeout", timeout.Seconds()); err != nil {
 				return err
 			}
 			if rc, err := g.remote(cmd.Context()); err != nil {

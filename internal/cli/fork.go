@@ -8,8 +8,8 @@ import (
 
 	apiv1 "github.com/forkd/forkd/api/v1"
 	"github.com/forkd/forkd/client"
+	"github.com/forkd/forkd/internal/request"
 	"github.com/forkd/forkd/internal/sandbox"
-	"github.com/forkd/forkd/internal/server"
 )
 
 func newForkCmd(g *globals) *cobra.Command {
@@ -35,7 +35,7 @@ func newForkCmd(g *globals) *cobra.Command {
 				return err
 			}
 			defer e.Close()
-			spec, err := server.ForkSpec(&req, e.Config().MaxChildren)
+			spec, err := request.ForkSpec(&req, e.Config().MaxChildren)
 			if err != nil {
 				return err
 			}

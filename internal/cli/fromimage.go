@@ -12,8 +12,8 @@ import (
 	"github.com/forkd/forkd/client"
 	"github.com/forkd/forkd/internal/errdefs"
 	"github.com/forkd/forkd/internal/image"
+	"github.com/forkd/forkd/internal/request"
 	"github.com/forkd/forkd/internal/sandbox"
-	"github.com/forkd/forkd/internal/server"
 	"github.com/forkd/forkd/internal/snapshot"
 )
 
@@ -38,7 +38,7 @@ func newFromImageCmd(g *globals) *cobra.Command {
 			// Everything is checked as the daemon would (but a local path
 			// may be anywhere: the import runs as the invoking user)
 			// before the import, which is long.
-			spec, oci, err := server.SnapshotSpec(&req, "")
+			spec, oci, err := request.SnapshotSpec(&req, "")
 			if err != nil {
 				return err
 			}

@@ -9,12 +9,12 @@ import (
 
 	apiv1 "github.com/forkd/forkd/api/v1"
 	"github.com/forkd/forkd/internal/errdefs"
-	"github.com/forkd/forkd/internal/server"
+	"github.com/forkd/forkd/internal/request"
 )
 
 // isoFlags are the network and limit flags of fork and spawn. They fill
 // the API's create request; the local path validates it the way the
-// daemon does (server.ForkSpec).
+// daemon does (request.ForkSpec).
 type isoFlags struct {
 	egress    string
 	allow     []string
@@ -52,7 +52,7 @@ func (f *isoFlags) apply(req *apiv1.CreateSandboxesRequest) error {
 		}
 		req.Network = ns
 	}
-	if err := server.CheckCPUs("--cpus", f.cpus); err != nil {
+	if err := request.CheckCPUs("--cpus", f.cpus); err != nil {
 		return err
 	}
 	read, err := bytesPerSecond("--io-read-mbps", f.ioReadMB)
@@ -76,7 +76,7 @@ func bytesPerSecond(flag string, mbps float64) (int64, error) {
 	if mbps == 0 {
 		return 0, nil
 	}
-	const maxMBps = server.MaxIOBps / 1e6
+	const maxMBps = request.MaxIOBps / 1e6
 	if !(mbps > 0 && mbps <= maxMBps) || math.Round(mbps*1e6) < 1 {
 		return 0, errdefs.InvalidArgument("%s %g: want 0 (no limit) or 0.000001 to %g MB/s", flag, mbps, float64(maxMBps))
 	}

@@ -9,8 +9,8 @@ import (
 
 	apiv1 "github.com/forkd/forkd/api/v1"
 	"github.com/forkd/forkd/client"
+	"github.com/forkd/forkd/internal/request"
 	"github.com/forkd/forkd/internal/sandbox"
-	"github.com/forkd/forkd/internal/server"
 )
 
 // sandboxView is the stable JSON shape of a sandbox in `ls --json`.
@@ -80,7 +80,7 @@ func (g *globals) listSandboxes(ctx context.Context) ([]sandboxView, error) {
 	}, func(e *sandbox.Engine) error {
 		list, err := e.List(ctx)
 		for _, sb := range list {
-			views = append(views, viewSandbox(server.View(sb)))
+			views = append(views, viewSandbox(request.View(sb)))
 		}
 		return err
 	})

@@ -7,7 +7,7 @@ import (
 
 	apiv1 "github.com/forkd/forkd/api/v1"
 	"github.com/forkd/forkd/internal/errdefs"
-	"github.com/forkd/forkd/internal/server"
+	"github.com/forkd/forkd/internal/request"
 )
 
 func newNetCmd(g *globals) *cobra.Command {
@@ -42,7 +42,7 @@ func newNetCmd(g *globals) *cobra.Command {
 					return err
 				}
 				defer e.Close()
-				pol, err := server.NetworkPolicy(&spec)
+				pol, err := request.NetworkPolicy(&spec)
 				if err != nil {
 					return err
 				}
@@ -50,7 +50,7 @@ func newNetCmd(g *globals) *cobra.Command {
 				if err != nil {
 					return err
 				}
-				sb = server.View(got)
+				sb = request.View(got)
 			}
 			if asJSON {
 				return writeJSON(g.stdout, viewSandbox(sb))

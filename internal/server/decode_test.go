@@ -8,6 +8,7 @@ import (
 
 	apiv1 "github.com/forkd/forkd/api/v1"
 	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/request"
 	"github.com/forkd/forkd/internal/snapshot"
 )
 
@@ -31,7 +32,7 @@ func FuzzDecodeCreateSandbox(f *testing.F) {
 		var req apiv1.CreateSandboxesRequest
 		err := decodeStrict(bytes.NewReader(body), &req)
 		if err == nil {
-			_, err = ForkSpec(&req, maxN)
+			_, err = request.ForkSpec(&req, maxN)
 		}
 		if err != nil {
 			if !errdefs.IsInvalidArgument(err) || httpStatus(err) != 400 {
@@ -39,7 +40,7 @@ func FuzzDecodeCreateSandbox(f *testing.F) {
 			}
 			return
 		}
-		spec, _ := ForkSpec(&req, maxN)
+		spec, _ := request.ForkSpec(&req, maxN)
 		if snapshot.ValidateTag(spec.Tag) != nil || spec.N < 1 || spec.N > maxN || spec.Timeout < 0 || spec.IDs != nil {
 			t.Fatalf("body %q accepted as %+v", body, spec)
 		}
@@ -49,7 +50,7 @@ func FuzzDecodeCreateSandbox(f *testing.F) {
 		if err := decodeStrict(bytes.NewReader(again), &req2); err != nil {
 			t.Fatalf("re-encoded %s: %v", again, err)
 		}
-		spec2, err := ForkSpec(&req2, maxN)
+		spec2, err := request.ForkSpec(&req2, maxN)
 		if err != nil || !reflect.DeepEqual(spec, spec2) {
 			t.Fatalf("round trip of %q: %+v vs %+v (%v)", body, spec, spec2, err)
 		}

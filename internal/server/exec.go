@@ -5,53 +5,15 @@ import (
 	"encoding/json"
 	"io"
 	"net/http"
-	"strings"
 	"sync"
 	"time"
 	"unicode/utf8"
 
 	apiv1 "github.com/forkd/forkd/api/v1"
 	"github.com/forkd/forkd/internal/agent"
-	"github.com/forkd/forkd/internal/agent/proto"
 	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/request"
 )
-
-// maxCallSecs bounds exec and eval timeouts.
-const maxCallSecs = 24 * 60 * 60
-
-// CallTimeout checks an exec or eval timeout of secs seconds: 0 (none) to
-// a day, never negative, NaN or infinite. field names it in the error.
-func CallTimeout(field string, secs float64) (time.Duration, error) {
-	if !(secs >= 0 && secs <= maxCallSecs) {
-		return 0, errdefs.InvalidArgument("%s = %v: want 0 (none) to %d seconds", field, secs, maxCallSecs)
-	}
-	return time.Duration(secs * float64(time.Second)), nil
-}
-
-// agentExec validates an exec request into the agent's form.
-func agentExec(req *apiv1.ExecRequest) (agent.ExecRequest, error) {
-	var out agent.ExecRequest
-	if (len(req.Args) == 0) == (req.Shell == "") {
-		return out, errdefs.InvalidArgument("give exactly one of args and shell")
-	}
-	if len(req.Args) > 0 && req.Args[0] == "" {
-		return out, errdefs.InvalidArgument("args[0] is empty")
-	}
-	for k := range req.Env {
-		if k == "" || strings.ContainsAny(k, "=\x00") {
-			return out, errdefs.InvalidArgument("env name %q: want a name without '=' or NUL", k)
-		}
-	}
-	d, err := CallTimeout("timeout_secs", req.TimeoutSecs)
-	if err != nil {
-		return out, err
-	}
-	out = agent.ExecRequest{Args: req.Args, Shell: req.Shell, Env: req.Env, Dir: req.Cwd, User: req.User, Timeout: d}
-	if req.Stdin != nil {
-		out.Stdin = bytes.NewReader(req.Stdin)
-	}
-	return out, nil
-}
 
 // withAgent runs fn with the agent of the sandbox named in the path.
 func (s *Server) withAgent(r *http.Request, fn func(c *agent.Client) error) error {
@@ -107,12 +69,8 @@ func textOr(p []byte, text *string, b64 *[]byte) {
 	}
 }
 
-func execResult(res *proto.ExecResult) apiv1.ExecResult {
-	return apiv1.ExecResult{ExitCode: res.ExitCode, Signal: res.Signal, TimedOut: res.TimedOut, DurationMS: res.DurationMS}
-}
-
 func (s *Server) exec(r *http.Request, req *apiv1.ExecRequest) (any, error) {
-	areq, err := agentExec(req)
+	areq, err := request.Exec(req)
 	if err != nil {
 		return nil, err
 	}
@@ -125,7 +83,7 @@ func (s *Server) exec(r *http.Request, req *apiv1.ExecRequest) (any, error) {
 		if err != nil {
 			return err
 		}
-		out = execResult(res)
+		out = request.ExecResult(res)
 		textOr(stdout.buf.Bytes(), &out.Stdout, &out.StdoutB64)
 		textOr(stderr.buf.Bytes(), &out.Stderr, &out.StderrB64)
 		out.Truncated = stdout.truncated || stderr.truncated
@@ -192,7 +150,7 @@ func (s *Server) execStream(w http.ResponseWriter, r *http.Request) error {
 	if err := decodeBody(w, r, s.cfg.MaxBodyBytes, &req); err != nil {
 		return err
 	}
-	areq, err := agentExec(&req)
+	areq, err := request.Exec(&req)
 	if err != nil {
 		return err
 	}
@@ -204,36 +162,14 @@ func (s *Server) execStream(w http.ResponseWriter, r *http.Request) error {
 			es.fail(err)
 			return nil
 		}
-		er := execResult(res)
+		er := request.ExecResult(res)
 		es.send(apiv1.StreamEvent{Type: apiv1.EventExit, Exec: &er})
 		return nil
 	})
 }
 
-func evalRequest(req *apiv1.EvalRequest) (proto.EvalRequest, error) {
-	if strings.TrimSpace(req.Code) == "" {
-		return proto.EvalRequest{}, errdefs.InvalidArgument("code is empty")
-	}
-	d, err := CallTimeout("timeout_secs", req.TimeoutSecs)
-	if err != nil {
-		return proto.EvalRequest{}, err
-	}
-	return proto.EvalRequest{Code: req.Code, Timeout: d}, nil
-}
-
-func evalResult(res *proto.EvalResult) apiv1.EvalResult {
-	out := apiv1.EvalResult{
-		Value: res.Value, Stdout: res.Stdout, Stderr: res.Stderr, Truncated: res.Truncated,
-		TimedOut: res.TimedOut, Restarted: res.Restarted, DurationMS: res.DurationMS,
-	}
-	if res.Error != nil {
-		out.Error = &apiv1.EvalError{Name: res.Error.Name, Message: res.Error.Message, Traceback: res.Error.Traceback}
-	}
-	return out
-}
-
 func (s *Server) eval(r *http.Request, req *apiv1.EvalRequest) (any, error) {
-	ereq, err := evalRequest(req)
+	ereq, err := request.Eval(req)
 	if err != nil {
 		return nil, err
 	}
@@ -243,7 +179,7 @@ func (s *Server) eval(r *http.Request, req *apiv1.EvalRequest) (any, error) {
 		if err != nil {
 			return err
 		}
-		out = evalResult(res)
+		out = request.EvalResult(res)
 		return nil
 	})
 	return out, err
@@ -254,7 +190,7 @@ func (s *Server) evalStream(w http.ResponseWriter, r *http.Request) error {
 	if err := decodeBody(w, r, s.cfg.MaxBodyBytes, &req); err != nil {
 		return err
 	}
-	ereq, err := evalRequest(&req)
+	ereq, err := request.Eval(&req)
 	if err != nil {
 		return err
 	}
@@ -265,7 +201,7 @@ func (s *Server) evalStream(w http.ResponseWriter, r *http.Request) error {
 			es.fail(err)
 			return nil
 		}
-		er := evalResult(res)
+		er := request.EvalResult(res)
 		es.send(apiv1.StreamEvent{Type: apiv1.EventResult, Eval: &er})
 		return nil
 	})

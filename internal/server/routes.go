@@ -8,6 +8,7 @@ import (
 
 	apiv1 "github.com/forkd/forkd/api/v1"
 	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/request"
 )
 
 // route is one entry of the API: the pattern it is served on, what the
@@ -74,7 +75,7 @@ var (
 	pathParam  = param{Name: "path", Type: "string", Doc: "absolute guest path", Required: true}
 	ndjson     = "application/x-ndjson"
 	octets     = "application/octet-stream"
-	sbFilters  = []param{{Name: "snapshot", Type: "string", Doc: "only children of this snapshot"}, {Name: "metadata", Type: "string", Doc: "KEY=VALUE; repeatable, all must match"}, {Name: "status", Type: "string", Doc: "only sandboxes in this status: " + strings.Join(sandboxStatuses, ", ")}}
+	sbFilters  = []param{{Name: "snapshot", Type: "string", Doc: "only children of this snapshot"}, {Name: "metadata", Type: "string", Doc: "KEY=VALUE; repeatable, all must match"}, {Name: "status", Type: "string", Doc: "only sandboxes in this status: " + strings.Join(request.SandboxStatuses, ", ")}}
 	listParams = []param{pathParam, {Name: "depth", Type: "integer", Doc: "levels to list (default 1)"}}
 )
 

@@ -9,6 +9,7 @@ import (
 
 	apiv1 "github.com/forkd/forkd/api/v1"
 	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/request"
 	"github.com/forkd/forkd/internal/sandbox"
 )
 
@@ -43,16 +44,16 @@ func TestForkLimitsChecked(t *testing.T) {
 		{cpus: 0.001, want: "cpus = 0.001: want 0 (no limit) or 0.01 to 1024"},
 		{cpus: 1025, want: "cpus = 1025"},
 		{cpus: -0.5, want: "cpus = -0.5"},
-		{read: MaxIOBps + 1, want: "io_read_bps"},
+		{read: request.MaxIOBps + 1, want: "io_read_bps"},
 		{wri: -1, want: "io_write_bps"},
 	} {
 		req := apiv1.CreateSandboxesRequest{SnapshotTag: "base", Limits: apiv1.Limits{CPUs: c.cpus, IOReadBps: c.read, IOWriteBps: c.wri}}
-		if _, err := ForkSpec(&req, 10); !errdefs.IsInvalidArgument(err) || !strings.Contains(err.Error(), c.want) {
+		if _, err := request.ForkSpec(&req, 10); !errdefs.IsInvalidArgument(err) || !strings.Contains(err.Error(), c.want) {
 			t.Errorf("%+v: %v, want %q", c, err, c.want)
 		}
 	}
 	for _, cpus := range []float64{0, 0.01, 1024} {
-		if _, err := ForkSpec(&apiv1.CreateSandboxesRequest{SnapshotTag: "base", Limits: apiv1.Limits{CPUs: cpus}}, 10); err != nil {
+		if _, err := request.ForkSpec(&apiv1.CreateSandboxesRequest{SnapshotTag: "base", Limits: apiv1.Limits{CPUs: cpus}}, 10); err != nil {
 			t.Errorf("cpus %g: %v", cpus, err)
 		}
 	}

@@ -92,6 +92,18 @@ func New(rawURL, token string, opts ...Options) (*Client, error) {
 	return c, nil
 }
 
+// NewDialer returns a client of a daemon reached through dial, one
+// connection per call (the CLI's in-process server); name stands for its
+// URL in messages.
+func NewDialer(name string, dial func(ctx context.Context) (net.Conn, error)) *Client {
+	tr := &http.Transport{
+		MaxIdleConnsPerHost: 64,
+		IdleConnTimeout:     90 * time.Second,
+		DialContext:         func(ctx context.Context, _, _ string) (net.Conn, error) { return dial(ctx) },
+	}
+	return &Client{base: "http://forkd", url: name, hc: &http.Client{Transport: tr}}
+}
+
 // URL is the daemon's URL as given to New.
 func (c *Client) URL() string { return c.url }
 
@@ -215,11 +227,26 @@ func (c *Client) GetOperation(ctx context.Context, id string) (*apiv1.Operation,
 // WaitOperation polls an operation until it ends or ctx does. A failed
 // operation is returned with its error as a classed error.
 func (c *Client) WaitOperation(ctx context.Context, id string) (*apiv1.Operation, error) {
+	return c.WaitOperationProgress(ctx, id, nil)
+}
+
+// WaitOperationProgress is WaitOperation that also calls progress (when
+// set) with each progress line the operation reports, in order, once.
+func (c *Client) WaitOperationProgress(ctx context.Context, id string, progress func(line string)) (*apiv1.Operation, error) {
 	delay := 100 * time.Millisecond
+	seen := 0 // progress lines already passed on
 	for {
 		op, err := c.GetOperation(ctx, id)
 		if err != nil {
 			return nil, err
+		}
+		if progress != nil && op.ProgressLines > seen {
+			fresh := min(op.ProgressLines-seen, len(op.Progress))
+			for _, line := range op.Progress[len(op.Progress)-fresh:] {
+				progress(line)
+			}
+			seen = op.ProgressLines
+			delay = 100 * time.Millisecond
 		}
 		switch op.Status {
 		case apiv1.OperationSucceeded:
@@ -298,9 +325,26 @@ func (c *Client) Exec(ctx context.Context, id string, req apiv1.ExecRequest) (*a
 }
 
 // ExecStream runs a process, writing its output to stdout and stderr as
-// it is produced, and returns how it ended.
-func (c *Client) ExecStream(ctx context.Context, id string, req apiv1.ExecRequest, stdout, stderr io.Writer) (*apiv1.ExecResult, error) {
-	ev, err := c.stream(ctx, sandboxPath(id, "/exec/stream"), req, stdout, stderr)
+// it is produced, and returns how it ended. With stdin set (and
+// req.Stdin not), the process reads stdin as it is produced, while its
+// output streams; stdin's end closes the process's stdin.
+func (c *Client) ExecStream(ctx context.Context, id string, req apiv1.ExecRequest, stdin io.Reader, stdout, stderr io.Writer) (*apiv1.ExecResult, error) {
+	path := sandboxPath(id, "/exec/stream")
+	var body io.Reader
+	ct := "application/json"
+	b, err := json.Marshal(req)
+	if err != nil {
+		return nil, errdefs.InvalidArgument("%s: %w", path, err)
+	}
+	body = bytes.NewReader(b)
+	if stdin != nil {
+		req.StdinStream = true
+		if b, err = json.Marshal(req); err != nil {
+			return nil, errdefs.InvalidArgument("%s: %w", path, err)
+		}
+		body, ct = io.MultiReader(bytes.NewReader(append(b, '\n')), stdin), apiv1.ExecStdinStream
+	}
+	ev, err := c.stream(ctx, path, body, ct, stdout, stderr)
 	if err != nil {
 		return nil, err
 	}
@@ -318,7 +362,11 @@ func (c *Client) Eval(ctx context.Context, id string, req apiv1.EvalRequest) (*a
 
 // EvalStream is Eval that also writes the code's output as it comes.
 func (c *Client) EvalStream(ctx context.Context, id string, req apiv1.EvalRequest, stdout, stderr io.Writer) (*apiv1.EvalResult, error) {
-	ev, err := c.stream(ctx, sandboxPath(id, "/eval/stream"), req, stdout, stderr)
+	b, err := json.Marshal(req)
+	if err != nil {
+		return nil, errdefs.InvalidArgument("eval: %w", err)
+	}
+	ev, err := c.stream(ctx, sandboxPath(id, "/eval/stream"), bytes.NewReader(b), "application/json", stdout, stderr)
 	if err != nil {
 		return nil, err
 	}
@@ -328,14 +376,10 @@ func (c *Client) EvalStream(ctx context.Context, id string, req apiv1.EvalReques
 	return ev.Eval, nil
 }
 
-// stream posts in and reads NDJSON events, writing output events to
+// stream posts body and reads NDJSON events, writing output events to
 // stdout and stderr, until the last event, which it returns.
-func (c *Client) stream(ctx context.Context, path string, in any, stdout, stderr io.Writer) (*apiv1.StreamEvent, error) {
-	b, err := json.Marshal(in)
-	if err != nil {
-		return nil, errdefs.InvalidArgument("%s: %v", path, err)
-	}
-	resp, err := c.request(ctx, "POST", path, nil, bytes.NewReader(b), "application/json")
+func (c *Client) stream(ctx context.Context, path string, body io.Reader, contentType string, stdout, stderr io.Writer) (*apiv1.StreamEvent, error) {
+	resp, err := c.request(ctx, "POST", path, nil, body, contentType)
 	if err != nil {
 		return nil, err
 	}

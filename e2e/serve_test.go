@@ -259,7 +259,7 @@ func TestServeAcceptance(t *testing.T) {
 	var times []time.Time
 	var out bytes.Buffer
 	w := writerFunc(func(p []byte) (int, error) { times = append(times, time.Now()); return out.Write(p) })
-	if r, err := api.ExecStream(ctx, ids[1], apiv1.ExecRequest{Shell: "for i in 1 2 3; do echo $i; sleep 0.5; done"}, w, w); err != nil || r.ExitCode != 0 {
+	if r, err := api.ExecStream(ctx, ids[1], apiv1.ExecRequest{Shell: "for i in 1 2 3; do echo $i; sleep 0.5; done"}, nil, w, w); err != nil || r.ExitCode != 0 {
 		t.Fatalf("stream: %+v %v", r, err)
 	}
 	if out.String() != "1\n2\n3\n" || len(times) < 3 || times[len(times)-1].Sub(times[0]) < 800*time.Millisecond {

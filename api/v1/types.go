@@ -96,6 +96,10 @@ type Snapshot struct {
 	Network bool `json:"network,omitempty"`
 	// Python is the guest's warm interpreter ("" when eval is unavailable).
 	Python string `json:"python,omitempty"`
+	// Problem says why this daemon cannot fork the snapshot (not ready,
+	// files changed, another backend or accelerator, a NIC without root);
+	// empty when it can.
+	Problem string `json:"problem,omitempty"`
 }
 
 // SnapshotList answers GET /v1/snapshots.
@@ -132,6 +136,10 @@ type OCISource struct {
 	Insecure bool `json:"insecure,omitempty"`
 }
 
+// ExecStdinStream is the Content-Type of an exec/stream request whose body
+// is an ExecRequest JSON object followed by the process's raw stdin.
+const ExecStdinStream = "application/vnd.forkd.exec-stdin"
+
 // Operation statuses.
 const (
 	OperationRunning   = "running"
@@ -150,7 +158,16 @@ type Operation struct {
 	Error    *Error    `json:"error,omitempty"`
 	Created  time.Time `json:"created"`
 	Finished time.Time `json:"finished,omitzero"`
+	// Progress holds the operation's latest human progress lines (at most
+	// MaxOperationProgress); ProgressLines counts every line it ever
+	// reported, so a poller prints the last ProgressLines-(what it saw)
+	// lines of Progress as new.
+	Progress      []string `json:"progress,omitempty"`
+	ProgressLines int      `json:"progress_lines,omitempty"`
 }
+
+// MaxOperationProgress bounds Operation.Progress.
+const MaxOperationProgress = 200
 
 // OperationList answers GET /v1/operations.
 type OperationList struct {
@@ -309,6 +326,11 @@ type ExecRequest struct {
 	// Stdin is given to the process (base64 in JSON); without it the
 	// process reads /dev/null.
 	Stdin []byte `json:"stdin,omitempty"`
+	// StdinStream (exec/stream only, with Content-Type ExecStdinStream):
+	// the request body goes on after this JSON object (and one optional
+	// newline) with the process's stdin, raw, as the caller produces it;
+	// the end of the body closes stdin. The response streams meanwhile.
+	StdinStream bool `json:"stdin_stream,omitempty"`
 	// TimeoutSecs, when positive, kills the process after that long.
 	TimeoutSecs float64 `json:"timeout_secs,omitempty"`
 }

@@ -7,6 +7,8 @@ import (
 
 	apiv1 "github.com/forkd/forkd/api/v1"
 	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/request"
+	"github.com/forkd/forkd/internal/sandbox"
 )
 
 // batchFlags are the flags fork and spawn share: the snapshot, how many
@@ -41,6 +43,11 @@ func (b *batchFlags) request() (apiv1.CreateSandboxesRequest, error) {
 		return b.req, errdefs.InvalidArgument("-n %d: want at least 1", b.req.N)
 	}
 	if err := b.iso.apply(&b.req); err != nil {
+		return b.req, err
+	}
+	// Checked as the daemon will, before anything is touched; the daemon
+	// may allow fewer children per request.
+	if _, err := request.ForkSpec(&b.req, sandbox.DefaultMaxChildren); err != nil {
 		return b.req, err
 	}
 	return b.req, nil

@@ -19,7 +19,6 @@ import (
 
 	"github.com/spf13/cobra"
 
-	"github.com/forkd/forkd/internal/agent"
 	"github.com/forkd/forkd/internal/errdefs"
 	"github.com/forkd/forkd/internal/sandbox"
 	"github.com/forkd/forkd/internal/vmm/backend"
@@ -173,24 +172,6 @@ func (g *globals) logger() *slog.Logger {
 
 // engine opens the sandbox engine for a CLI command.
 func (g *globals) engine() (*sandbox.Engine, error) { return g.openEngine(nil) }
-
-// localAgent opens the data dir's engine and the agent of sandbox id in
-// it; release lets go of both.
-func (g *globals) localAgent(ctx context.Context, id string) (c *agent.Client, release func(), err error) {
-	e, err := g.engine()
-	if err != nil {
-		return nil, nil, err
-	}
-	c, done, err := e.Agent(ctx, id)
-	if err != nil {
-		e.Close()
-		return nil, nil, err
-	}
-	return c, func() {
-		done()
-		e.Close()
-	}, nil
-}
 
 // openEngine opens the sandbox engine; tune, if set, adjusts its config.
 func (g *globals) openEngine(tune func(*sandbox.Config)) (*sandbox.Engine, error) {

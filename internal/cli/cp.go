@@ -103,8 +103,7 @@ func openHostSource(g *globals, path string) (io.Reader, os.FileMode, func(), er
 	return f, st.Mode().Perm(), func() { f.Close() }, nil
 }
 
-// fileOps reads and writes one sandbox's files, through the daemon or the
-// agent directly.
+// fileOps reads and writes one sandbox's files.
 type fileOps struct {
 	read  func(ctx context.Context, path string, w io.Writer) error
 	write func(ctx context.Context, path string, r io.Reader, mode os.FileMode) error
@@ -112,29 +111,18 @@ type fileOps struct {
 
 // files returns the file operations of sandbox id and how to release them.
 func (g *globals) files(ctx context.Context, id string) (fileOps, func(), error) {
-	if c, err := g.remote(ctx); err != nil {
-		return fileOps{}, nil, err
-	} else if c != nil {
-		return fileOps{
-			read: func(ctx context.Context, p string, w io.Writer) error {
-				_, err := c.ReadFile(ctx, id, p, w)
-				return err
-			},
-			write: func(ctx context.Context, p string, r io.Reader, m os.FileMode) error {
-				_, err := c.WriteFile(ctx, id, p, r, uint32(m.Perm()))
-				return err
-			},
-		}, c.Close, nil
-	}
-	a, release, err := g.localAgent(ctx, id)
+	c, done, err := g.api(ctx)
 	if err != nil {
 		return fileOps{}, nil, err
 	}
 	return fileOps{
-		read: func(ctx context.Context, p string, w io.Writer) error { _, err := a.ReadFile(ctx, p, w); return err },
-		write: func(ctx context.Context, p string, r io.Reader, m os.FileMode) error {
-			_, err := a.WriteFile(ctx, p, r, m)
+		read: func(ctx context.Context, p string, w io.Writer) error {
+			_, err := c.ReadFile(ctx, id, p, w)
 			return err
 		},
-	}, release, nil
+		write: func(ctx context.Context, p string, r io.Reader, m os.FileMode) error {
+			_, err := c.WriteFile(ctx, id, p, r, uint32(m.Perm()))
+			return err
+		},
+	}, done, nil
 }

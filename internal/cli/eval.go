@@ -4,9 +4,10 @@ import (
 	"fmt"
 	"strings"
 
+	apiv1 "github.com/forkd/forkd/api/v1"
+
 	"github.com/spf13/cobra"
 
-	"github.com/forkd/forkd/internal/agent/proto"
 	"github.com/forkd/forkd/internal/errdefs"
 	"github.com/forkd/forkd/internal/request"
 )
@@ -34,27 +35,17 @@ func newEvalCmd(g *globals) *cobra.Command {
 			if err != nil {
 				return err
 			}
-			req := proto.EvalRequest{Code: code, Timeout: d}
-			var res *proto.EvalResult
-			if rc, err := g.remote(cmd.Context()); err != nil {
-				return err
-			} else if rc != nil {
-				defer rc.Close()
-				res, err = evalRemote(cmd.Context(), g, rc, args[0], req, !asJSON)
-				if err != nil {
-					return err
-				}
-				return printEval(g, res, asJSON)
-			}
-			c, release, err := g.localAgent(cmd.Context(), args[0])
+			c, done, err := g.api(cmd.Context())
 			if err != nil {
 				return err
 			}
-			defer release()
+			defer done()
+			req := apiv1.EvalRequest{Code: code, TimeoutSecs: d.Seconds()}
+			var res *apiv1.EvalResult
 			if asJSON {
-				res, err = c.Eval(cmd.Context(), req)
+				res, err = c.Eval(cmd.Context(), args[0], req)
 			} else {
-				res, err = c.EvalStream(cmd.Context(), req, g.stdout, g.stderr)
+				res, err = c.EvalStream(cmd.Context(), args[0], req, g.stdout, g.stderr)
 			}
 			if err != nil {
 				return err
@@ -68,7 +59,7 @@ func newEvalCmd(g *globals) *cobra.Command {
 }
 
 // printEval prints an eval's result and maps it to our exit.
-func printEval(g *globals, res *proto.EvalResult, asJSON bool) error {
+func printEval(g *globals, res *apiv1.EvalResult, asJSON bool) error {
 	if asJSON {
 		if err := writeJSON(g.stdout, res); err != nil {
 			return err
@@ -80,7 +71,7 @@ func printEval(g *globals, res *proto.EvalResult, asJSON bool) error {
 }
 
 // evalExit reports a failed eval on stderr and maps it to exit 1.
-func evalExit(g *globals, res *proto.EvalResult, quiet bool) error {
+func evalExit(g *globals, res *apiv1.EvalResult, quiet bool) error {
 	if res.Restarted && !quiet {
 		fmt.Fprintln(g.stderr, "forkd: the interpreter was restarted; its state is lost")
 	}

@@ -1,12 +1,12 @@
 package cli
 
 import (
+	"io"
 	"time"
 
 	"github.com/spf13/cobra"
 
 	apiv1 "github.com/forkd/forkd/api/v1"
-	"github.com/forkd/forkd/internal/agent"
 	"github.com/forkd/forkd/internal/errdefs"
 	"github.com/forkd/forkd/internal/request"
 )
@@ -31,36 +31,21 @@ func newExecCmd(g *globals) *cobra.Command {
 			if _, err := request.CallTimeout("--timeout", timeout.Seconds()); err != nil {
 				return err
 			}
-			if rc, err := g.remote(cmd.Context()); err != nil {
-				return err
-			} else if rc != nil {
-				defer rc.Close()
-				req := apiv1.ExecRequest{Args: args[1:], Env: envMap, Cwd: cwd, User: user, TimeoutSecs: timeout.Seconds()}
-				if stdin {
-					// The API takes stdin whole, in the request.
-					if req.Stdin, err = readInput(cmd.Context(), g.stdin, "stdin through the daemon", 16<<20); err != nil {
-						return err
-					}
-				}
-				res, err := rc.ExecStream(cmd.Context(), args[0], req, g.stdout, g.stderr)
-				if err != nil {
-					return err
-				}
-				return exitFor(res.ExitCode, res.Signal, res.TimedOut)
-			}
-			c, release, err := g.localAgent(cmd.Context(), args[0])
+			c, done, err := g.api(cmd.Context())
 			if err != nil {
 				return err
 			}
-			defer release()
-			req := agent.ExecRequest{
-				Args: args[1:], Env: envMap, Dir: cwd, User: user,
-				Stdout: g.stdout, Stderr: g.stderr, Timeout: timeout,
-			}
+			defer done()
+			req := apiv1.ExecRequest{Args: args[1:], Env: envMap, Cwd: cwd, User: user, TimeoutSecs: timeout.Seconds()}
+			var in io.Reader
 			if stdin {
-				req.Stdin = g.stdin
+				// Streamed while the output streams, as in a shell; it
+				// ends when the command does.
+				s := newStoppable(g.stdin)
+				defer s.stop()
+				in = s
 			}
-			res, err := c.Exec(cmd.Context(), req)
+			res, err := c.ExecStream(cmd.Context(), args[0], req, in, g.stdout, g.stderr)
 			if err != nil {
 				return err
 			}

@@ -9,8 +9,6 @@ import (
 	"github.com/spf13/cobra"
 
 	apiv1 "github.com/forkd/forkd/api/v1"
-	"github.com/forkd/forkd/client"
-	"github.com/forkd/forkd/internal/sandbox"
 	"github.com/forkd/forkd/internal/snapshot"
 )
 
@@ -29,15 +27,6 @@ type snapshotView struct {
 	Parent      string    `json:"parent,omitempty"`
 	Network     bool      `json:"network,omitempty"`
 	Error       string    `json:"error,omitempty"` // why a snapshot is failed or corrupt
-}
-
-func viewSnapshot(s *snapshot.Snapshot, refs int) snapshotView {
-	return snapshotView{
-		Tag: s.Tag, Status: string(s.Status), Image: s.Image, Backend: s.Backend,
-		Accelerator: s.Accelerator, MemoryMiB: s.MemoryMiB, VCPUs: s.VCPUs,
-		SizeBytes: s.SizeBytes(), Refcount: refs, Created: s.Created, Parent: s.Parent, Network: s.Network,
-		Error: s.Error,
-	}
 }
 
 func newImagesCmd(g *globals) *cobra.Command {
@@ -89,39 +78,28 @@ func newRmiCmd(g *globals) *cobra.Command {
 				}
 				return errors.Join(errs...)
 			}
-			if c, err := g.remote(cmd.Context()); err != nil {
-				return err
-			} else if c != nil {
-				defer c.Close()
-				return remove(func(tag string) error { return c.DeleteSnapshot(cmd.Context(), tag) })
-			}
-			e, err := g.engine()
+			c, done, err := g.api(cmd.Context())
 			if err != nil {
 				return err
 			}
-			defer e.Close()
-			return remove(e.RemoveSnapshot)
+			defer done()
+			return remove(func(tag string) error { return c.DeleteSnapshot(cmd.Context(), tag) })
 		},
 	}
 }
 
-// listSnapshots lists through the daemon when one runs, else locally.
+// listSnapshots lists the snapshots in images' shape.
 func (g *globals) listSnapshots(ctx context.Context) ([]snapshotView, error) {
+	c, done, err := g.api(ctx)
+	if err != nil {
+		return nil, err
+	}
+	defer done()
+	list, err := c.ListSnapshots(ctx)
 	views := []snapshotView{}
-	err := g.throughDaemon(ctx, func(c *client.Client) error {
-		list, err := c.ListSnapshots(ctx)
-		for _, s := range list {
-			views = append(views, apiSnapshotView(s))
-		}
-		return err
-	}, func(e *sandbox.Engine) error {
-		snaps, err := e.Snapshots().List()
-		refs, _ := e.Refcounts()
-		for _, s := range snaps {
-			views = append(views, viewSnapshot(s, refs[s.Tag]))
-		}
-		return err
-	})
+	for _, s := range list {
+		views = append(views, apiSnapshotView(s))
+	}
 	return views, err
 }
 

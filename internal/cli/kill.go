@@ -34,33 +34,12 @@ func newKillCmd(g *globals) *cobra.Command {
 					return err
 				}
 			}
-			if c, err := g.remote(cmd.Context()); err != nil {
-				return err
-			} else if c != nil {
-				defer c.Close()
-				return killRemote(cmd.Context(), g, c, ids, all, tag)
-			}
-			e, err := g.engine()
+			c, done, err := g.api(cmd.Context())
 			if err != nil {
 				return err
 			}
-			defer e.Close()
-			if all || tag != "" {
-				killed, err := e.KillAll(cmd.Context(), tag)
-				for _, id := range killed {
-					fmt.Fprintln(g.stdout, id)
-				}
-				return err
-			}
-			var errs []error
-			for _, id := range ids {
-				if err := e.Kill(cmd.Context(), id); err != nil {
-					errs = append(errs, err)
-					continue
-				}
-				fmt.Fprintln(g.stdout, id)
-			}
-			return errors.Join(errs...)
+			defer done()
+			return kill(cmd.Context(), g, c, ids, all, tag)
 		},
 	}
 	cmd.Flags().BoolVar(&all, "all", false, "kill every sandbox")
@@ -68,8 +47,9 @@ func newKillCmd(g *globals) *cobra.Command {
 	return cmd
 }
 
-// killRemote is kill through the daemon; ids and tag are valid.
-func killRemote(ctx context.Context, g *globals, c *client.Client, ids []string, all bool, tag string) error {
+// kill kills the sandboxes ids, or all of them (of snapshot tag when set);
+// ids and tag are valid.
+func kill(ctx context.Context, g *globals, c *client.Client, ids []string, all bool, tag string) error {
 	bulk := all || tag != ""
 	if bulk {
 		list, err := c.ListSandboxes(ctx, client.ListOptions{Snapshot: tag})

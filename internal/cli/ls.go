@@ -9,8 +9,6 @@ import (
 
 	apiv1 "github.com/forkd/forkd/api/v1"
 	"github.com/forkd/forkd/client"
-	"github.com/forkd/forkd/internal/request"
-	"github.com/forkd/forkd/internal/sandbox"
 )
 
 // sandboxView is the stable JSON shape of a sandbox in `ls --json`.
@@ -68,21 +66,17 @@ func newLsCmd(g *globals) *cobra.Command {
 	return cmd
 }
 
-// listSandboxes lists through the daemon when one runs, else locally.
+// listSandboxes lists the sandboxes in ls's shape.
 func (g *globals) listSandboxes(ctx context.Context) ([]sandboxView, error) {
+	c, done, err := g.api(ctx)
+	if err != nil {
+		return nil, err
+	}
+	defer done()
+	list, err := c.ListSandboxes(ctx, client.ListOptions{})
 	views := []sandboxView{}
-	err := g.throughDaemon(ctx, func(c *client.Client) error {
-		list, err := c.ListSandboxes(ctx, client.ListOptions{})
-		for _, sb := range list {
-			views = append(views, viewSandbox(sb))
-		}
-		return err
-	}, func(e *sandbox.Engine) error {
-		list, err := e.List(ctx)
-		for _, sb := range list {
-			views = append(views, viewSandbox(request.View(sb)))
-		}
-		return err
-	})
+	for _, sb := range list {
+		views = append(views, viewSandbox(sb))
+	}
 	return views, err
 }

@@ -25,35 +25,20 @@ func newNetCmd(g *globals) *cobra.Command {
 			if err := iso.apply(&req); err != nil {
 				return err
 			}
-			spec := *req.Network
-			var sb apiv1.Sandbox
-			if c, err := g.remote(cmd.Context()); err != nil {
+			if _, err := request.NetworkPolicy(req.Network); err != nil {
 				return err
-			} else if c != nil {
-				defer c.Close()
-				got, err := c.SetNetwork(cmd.Context(), args[0], spec)
-				if err != nil {
-					return err
-				}
-				sb = *got
-			} else {
-				e, err := g.engine()
-				if err != nil {
-					return err
-				}
-				defer e.Close()
-				pol, err := request.NetworkPolicy(&spec)
-				if err != nil {
-					return err
-				}
-				got, err := e.SetPolicy(cmd.Context(), args[0], pol)
-				if err != nil {
-					return err
-				}
-				sb = request.View(got)
+			}
+			c, done, err := g.api(cmd.Context())
+			if err != nil {
+				return err
+			}
+			defer done()
+			sb, err := c.SetNetwork(cmd.Context(), args[0], *req.Network)
+			if err != nil {
+				return err
 			}
 			if asJSON {
-				return writeJSON(g.stdout, viewSandbox(sb))
+				return writeJSON(g.stdout, viewSandbox(*sb))
 			}
 			fmt.Fprintf(g.stdout, "%s\tegress %s\n", sb.ID, sb.Network.Egress)
 			return nil
@@ -76,23 +61,12 @@ func newPublishCmd(g *globals) *cobra.Command {
 			if err != nil {
 				return err
 			}
-			if c, err := g.remote(cmd.Context()); err != nil {
-				return err
-			} else if c != nil {
-				defer c.Close()
-				p, err := c.Publish(cmd.Context(), args[0], port)
-				if err != nil {
-					return err
-				}
-				fmt.Fprintln(g.stdout, p.HostPort)
-				return nil
-			}
-			e, err := g.engine()
+			c, done, err := g.api(cmd.Context())
 			if err != nil {
 				return err
 			}
-			defer e.Close()
-			p, err := e.Publish(cmd.Context(), args[0], port)
+			defer done()
+			p, err := c.Publish(cmd.Context(), args[0], port)
 			if err != nil {
 				return err
 			}

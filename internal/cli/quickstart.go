@@ -10,18 +10,14 @@ import (
 	"os/user"
 	"strings"
 	"sync"
-	"time"
 
 	"github.com/spf13/cobra"
 
 	apiv1 "github.com/forkd/forkd/api/v1"
 	"github.com/forkd/forkd/client"
-	"github.com/forkd/forkd/internal/agent"
-	"github.com/forkd/forkd/internal/agent/proto"
 	"github.com/forkd/forkd/internal/errdefs"
 	"github.com/forkd/forkd/internal/image"
 	"github.com/forkd/forkd/internal/image/deb"
-	"github.com/forkd/forkd/internal/sandbox"
 	"github.com/forkd/forkd/internal/snapshot"
 )
 
@@ -92,11 +88,12 @@ func quickstart(ctx context.Context, g *globals, n int, yes bool, img, tag strin
 	if _, err := os.Stat(agentPath()); err != nil {
 		return errdefs.FailedPrecondition("forkd-agent not found at %s: build it with `make build` or set FORKD_AGENT", agentPath())
 	}
-	ops, done, err := g.quickstartOps(ctx)
+	c, done, err := g.api(ctx)
 	if err != nil {
 		return err
 	}
 	defer done()
+	ops := qsOps{c: c, g: g}
 	st, err := ops.snapshot(ctx, tag)
 	switch {
 	case err == nil && st.usable && st.image == img:
@@ -173,174 +170,59 @@ const (
 
 // qsSnapshot is what quickstart needs to know of a snapshot.
 type qsSnapshot struct {
-	usable bool // ready, and made by this host's backend and accelerator
+	usable bool // forkable here: ready, intact, made by this host's backend and accelerator
 	image  string
 	python bool
 }
 
-// qsOps are quickstart's steps, done locally or through a daemon.
-type qsOps interface {
-	snapshot(ctx context.Context, tag string) (qsSnapshot, error)
-	removeSnapshot(ctx context.Context, tag string) error // kills its children first
-	createSnapshot(ctx context.Context, tag, img string) error
-	killOrigin(ctx context.Context, origin string) (int, error)
-	fork(ctx context.Context, tag string, n int, md map[string]string) ([]string, float64, error)
-	eval(ctx context.Context, id, code string) (string, error)
-	shell(ctx context.Context, id, cmd string) (string, error)
+// qsOps are quickstart's steps, as API calls.
+type qsOps struct {
+	c *client.Client
+	g *globals
 }
 
-// quickstartOps picks the daemon when one serves the data dir.
-func (g *globals) quickstartOps(ctx context.Context) (qsOps, func(), error) {
-	if c, err := g.remote(ctx); err != nil {
-		return nil, nil, err
-	} else if c != nil {
-		return remoteQS{c}, c.Close, nil
-	}
-	e, err := g.engine()
-	if err != nil {
-		return nil, nil, err
-	}
-	return localQS{e}, func() { e.Close() }, nil
-}
-
-type localQS struct{ e *sandbox.Engine }
-
-func (l localQS) snapshot(ctx context.Context, tag string) (qsSnapshot, error) {
-	snap, err := l.e.Snapshots().Get(tag)
+func (o qsOps) snapshot(ctx context.Context, tag string) (qsSnapshot, error) {
+	s, err := o.c.GetSnapshot(ctx, tag)
 	if err != nil {
 		return qsSnapshot{}, err
 	}
-	be := l.e.Backend()
-	return qsSnapshot{
-		usable: snap.Status == snapshot.StatusReady && snap.Backend == be.Name() &&
-			snap.Accelerator == be.Capabilities().Accelerator && snap.Network == (l.e.Config().Net != nil) &&
-			snap.Verify() == nil,
-		image: snap.Image, python: snap.Python != "",
-	}, nil
+	return qsSnapshot{usable: s.Status == apiv1.SnapshotReady && s.Problem == "", image: s.Image, python: s.Python != ""}, nil
 }
 
-func (l localQS) removeSnapshot(ctx context.Context, tag string) error {
-	if _, err := l.e.KillAll(ctx, tag); err != nil {
-		return err
-	}
-	return l.e.RemoveSnapshot(tag)
-}
-
-func (l localQS) createSnapshot(ctx context.Context, tag, img string) error {
-	_, err := l.e.CreateSnapshot(ctx, sandbox.SnapshotSpec{Tag: tag, Image: img, Network: l.e.Config().Net != nil})
-	return err
-}
-
-func (l localQS) killOrigin(ctx context.Context, origin string) (int, error) {
-	list, err := l.e.List(ctx)
-	if err != nil {
-		return 0, err
-	}
-	n := 0
-	for _, sb := range list {
-		if sb.Metadata["origin"] != origin {
-			continue
-		}
-		if err := l.e.Kill(ctx, sb.ID); err != nil {
-			return n, err
-		}
-		n++
-	}
-	return n, nil
-}
-
-func (l localQS) fork(ctx context.Context, tag string, n int, md map[string]string) ([]string, float64, error) {
-	res, err := l.e.Fork(ctx, sandbox.ForkSpec{Tag: tag, N: n, Metadata: md})
-	if err != nil {
-		return nil, 0, err
-	}
-	ids := make([]string, len(res.Children))
-	for i, c := range res.Children {
-		ids[i] = c.ID
-	}
-	return ids, res.WallMS, nil
-}
-
-func (l localQS) eval(ctx context.Context, id, code string) (string, error) {
-	c, release, err := l.e.Agent(ctx, id)
-	if err != nil {
-		return "", err
-	}
-	defer release()
-	res, err := c.Eval(ctx, proto.EvalRequest{Code: code, Timeout: time.Minute})
-	if err != nil {
-		return "", err
-	}
-	if res.Error != nil {
-		return "", fmt.Errorf("eval: %s: %s", res.Error.Name, res.Error.Message)
-	}
-	return res.Value, nil
-}
-
-func (l localQS) shell(ctx context.Context, id, cmd string) (string, error) {
-	c, release, err := l.e.Agent(ctx, id)
-	if err != nil {
-		return "", err
-	}
-	defer release()
-	var out strings.Builder
-	res, err := c.Exec(ctx, agent.ExecRequest{Shell: cmd, Stdout: &out, Stderr: &out, Timeout: time.Minute})
-	if err != nil {
-		return "", err
-	}
-	if res.ExitCode != 0 {
-		return "", fmt.Errorf("exit %d: %s", res.ExitCode, out.String())
-	}
-	return strings.TrimSpace(out.String()), nil
-}
-
-type remoteQS struct{ c *client.Client }
-
-func (r remoteQS) snapshot(ctx context.Context, tag string) (qsSnapshot, error) {
-	s, err := r.c.GetSnapshot(ctx, tag)
-	if err != nil {
-		return qsSnapshot{}, err
-	}
-	return qsSnapshot{usable: s.Status == apiv1.SnapshotReady, image: s.Image, python: s.Python != ""}, nil
-}
-
-func (r remoteQS) removeSnapshot(ctx context.Context, tag string) error {
-	list, err := r.c.ListSandboxes(ctx, client.ListOptions{Snapshot: tag})
+// removeSnapshot kills the snapshot's children, then removes it.
+func (o qsOps) removeSnapshot(ctx context.Context, tag string) error {
+	list, err := o.c.ListSandboxes(ctx, client.ListOptions{Snapshot: tag})
 	if err != nil {
 		return err
 	}
 	for _, sb := range list {
-		if err := r.c.DeleteSandbox(ctx, sb.ID); err != nil && !errdefs.IsNotFound(err) {
+		if err := o.c.DeleteSandbox(ctx, sb.ID); err != nil && !errdefs.IsNotFound(err) {
 			return err
 		}
 	}
-	return r.c.DeleteSnapshot(ctx, tag)
+	return o.c.DeleteSnapshot(ctx, tag)
 }
 
-func (r remoteQS) createSnapshot(ctx context.Context, tag, img string) error {
-	op, err := r.c.CreateSnapshot(ctx, apiv1.CreateSnapshotRequest{Tag: tag, Image: img})
-	if err != nil {
-		return err
-	}
-	_, err = r.c.WaitOperation(ctx, op.ID)
+func (o qsOps) createSnapshot(ctx context.Context, tag, img string) error {
+	_, err := buildSnapshot(ctx, o.g, o.c, apiv1.CreateSnapshotRequest{Tag: tag, Image: img})
 	return err
 }
 
-func (r remoteQS) killOrigin(ctx context.Context, origin string) (int, error) {
-	list, err := r.c.ListSandboxes(ctx, client.ListOptions{Metadata: map[string]string{"origin": origin}})
+func (o qsOps) killOrigin(ctx context.Context, origin string) (int, error) {
+	list, err := o.c.ListSandboxes(ctx, client.ListOptions{Metadata: map[string]string{"origin": origin}})
 	if err != nil {
 		return 0, err
 	}
 	for i, sb := range list {
-		if err := r.c.DeleteSandbox(ctx, sb.ID); err != nil && !errdefs.IsNotFound(err) {
+		if err := o.c.DeleteSandbox(ctx, sb.ID); err != nil && !errdefs.IsNotFound(err) {
 			return i, err
 		}
 	}
 	return len(list), nil
 }
 
-func (r remoteQS) fork(ctx context.Context, tag string, n int, md map[string]string) ([]string, float64, error) {
-	res, err := r.c.CreateSandboxes(ctx, apiv1.CreateSandboxesRequest{SnapshotTag: tag, N: n, Metadata: md})
+func (o qsOps) fork(ctx context.Context, tag string, n int, md map[string]string) ([]string, float64, error) {
+	res, err := o.c.CreateSandboxes(ctx, apiv1.CreateSandboxesRequest{SnapshotTag: tag, N: n, Metadata: md})
 	if err != nil {
 		return nil, 0, err
 	}
@@ -351,8 +233,8 @@ func (r remoteQS) fork(ctx context.Context, tag string, n int, md map[string]str
 	return ids, res.WallMS, nil
 }
 
-func (r remoteQS) eval(ctx context.Context, id, code string) (string, error) {
-	res, err := r.c.Eval(ctx, id, apiv1.EvalRequest{Code: code, TimeoutSecs: 60})
+func (o qsOps) eval(ctx context.Context, id, code string) (string, error) {
+	res, err := o.c.Eval(ctx, id, apiv1.EvalRequest{Code: code, TimeoutSecs: 60})
 	if err != nil {
 		return "", err
 	}
@@ -362,8 +244,8 @@ func (r remoteQS) eval(ctx context.Context, id, code string) (string, error) {
 	return res.Value, nil
 }
 
-func (r remoteQS) shell(ctx context.Context, id, cmd string) (string, error) {
-	res, err := r.c.Exec(ctx, id, apiv1.ExecRequest{Shell: cmd, TimeoutSecs: 60})
+func (o qsOps) shell(ctx context.Context, id, cmd string) (string, error) {
+	res, err := o.c.Exec(ctx, id, apiv1.ExecRequest{Shell: cmd, TimeoutSecs: 60})
 	if err != nil {
 		return "", err
 	}

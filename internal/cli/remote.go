@@ -11,10 +11,8 @@ import (
 
 	apiv1 "github.com/forkd/forkd/api/v1"
 	"github.com/forkd/forkd/client"
-	"github.com/forkd/forkd/internal/agent/proto"
 	"github.com/forkd/forkd/internal/errdefs"
-	"github.com/forkd/forkd/internal/sandbox"
-	"github.com/forkd/forkd/internal/server"
+	"github.com/forkd/forkd/internal/loopback"
 )
 
 // remote returns a client of the daemon serving this command's data dir,
@@ -88,7 +86,7 @@ func daemonToken(rawURL, dir string) (string, error) {
 	if u.Scheme == "unix" {
 		return tok, nil
 	}
-	if !server.LoopbackHost(u.Hostname()) {
+	if !loopback.Host(u.Hostname()) {
 		if u.Scheme == "http" && os.Getenv("FORKD_INSECURE") != "1" {
 			return "", errdefs.InvalidArgument("FORKD_URL=%s: plain http to a host that is not loopback would send the token in clear; use https:// (or set FORKD_INSECURE=1)", rawURL)
 		}
@@ -125,6 +123,20 @@ func samePath(a, b string) bool {
 	return ra == rb
 }
 
+// api returns the client every command speaks through, and done, which
+// the command calls when it has finished: the daemon serving this data
+// dir when one runs (see remote), else a server in this process over the
+// data dir's engine (localAPI), shut down by done. Either way the command
+// has one code path.
+func (g *globals) api(ctx context.Context) (c *client.Client, done func(), err error) {
+	if c, err := g.remote(ctx); err != nil {
+		return nil, nil, err
+	} else if c != nil {
+		return c, c.Close, nil
+	}
+	return g.localAPI()
+}
+
 // needRemote is remote for commands that only exist through a daemon.
 func (g *globals) needRemote(ctx context.Context, cmd string) (*client.Client, error) {
 	c, err := g.remote(ctx)
@@ -135,47 +147,4 @@ func (g *globals) needRemote(ctx context.Context, cmd string) (*client.Client, e
 		return nil, errdefs.FailedPrecondition("%s needs a running daemon (forkd serve), and none serves this data dir; set FORKD_URL to reach one elsewhere", cmd)
 	}
 	return c, nil
-}
-
-// throughDaemon runs remote with a client of the daemon serving this data
-// dir when one runs (see remote), else local with the data dir's engine,
-// opened for the call.
-func (g *globals) throughDaemon(ctx context.Context, remote func(*client.Client) error, local func(*sandbox.Engine) error) error {
-	if c, err := g.remote(ctx); err != nil {
-		return err
-	} else if c != nil {
-		defer c.Close()
-		return remote(c)
-	}
-	e, err := g.engine()
-	if err != nil {
-		return err
-	}
-	defer e.Close()
-	return local(e)
-}
-
-// evalRemote is eval through the daemon, streaming the code's output when
-// stream is set. The result has the engine's shape, so both paths print
-// the same.
-func evalRemote(ctx context.Context, g *globals, c *client.Client, id string, req proto.EvalRequest, stream bool) (*proto.EvalResult, error) {
-	areq := apiv1.EvalRequest{Code: req.Code, TimeoutSecs: req.Timeout.Seconds()}
-	var res *apiv1.EvalResult
-	var err error
-	if stream {
-		res, err = c.EvalStream(ctx, id, areq, g.stdout, g.stderr)
-	} else {
-		res, err = c.Eval(ctx, id, areq)
-	}
-	if err != nil {
-		return nil, err
-	}
-	out := &proto.EvalResult{
-		Value: res.Value, Stdout: res.Stdout, Stderr: res.Stderr, Truncated: res.Truncated,
-		TimedOut: res.TimedOut, Restarted: res.Restarted, DurationMS: res.DurationMS,
-	}
-	if res.Error != nil {
-		out.Error = &proto.EvalError{Name: res.Error.Name, Message: res.Error.Message, Traceback: res.Error.Traceback}
-	}
-	return out, nil
 }

@@ -17,6 +17,7 @@ import (
 	apiv1 "github.com/forkd/forkd/api/v1"
 	"github.com/forkd/forkd/client"
 	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/loopback"
 	"github.com/forkd/forkd/internal/sandbox"
 	"github.com/forkd/forkd/internal/server"
 )
@@ -276,7 +277,7 @@ func isLoopback(addr string) (bool, error) {
 	if err != nil {
 		return false, errdefs.InvalidArgument("--listen %q: %v", addr, err)
 	}
-	return server.LoopbackHost(host), nil
+	return loopback.Host(host), nil
 }
 
 // listenUnix listens on a unix socket of mode 0600, replacing a stale
@@ -324,4 +325,38 @@ func openAudit(flag, dir string, stderr io.Writer) (io.Writer, func(), error) {
 		return nil, nil, fmt.Errorf("audit log: %w", err)
 	}
 	return f, func() { f.Close() }, nil
+}
+
+// localAPI serves the API in this process over the data dir's engine, for
+// a command run while no daemon serves the data dir: the command then has
+// the one code path it has through a daemon. done shuts the server down,
+// waiting for requests in flight and undoing background work an
+// interrupted command leaves (a snapshot build), and closes the engine.
+func (g *globals) localAPI() (*client.Client, func(), error) {
+	e, err := g.openEngine(func(c *sandbox.Config) { c.Progress = io.Discard })
+	if err != nil {
+		return nil, nil, err
+	}
+	srv, err := server.New(server.Config{
+		Engine:   e,
+		Admitter: sandbox.NewAdmitter(e, sandbox.Admission{}),
+		Local:    true,
+		Logger:   g.logger(),
+		Version:  Version,
+	})
+	if err != nil {
+		e.Close()
+		return nil, nil, err
+	}
+	dial, shutdown := srv.Pipe()
+	c := client.NewDialer("the data dir "+e.Config().DataDir, dial)
+	return c, func() {
+		c.Close()
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+		defer cancel()
+		if err := shutdown(ctx); err != nil {
+			g.logger().Warn("stop the in-process server", "err", err)
+		}
+		e.Close()
+	}, nil
 }

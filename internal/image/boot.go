@@ -59,13 +59,13 @@ func (b *Builder) ensureKernel(ctx context.Context) (*kernelEntry, error) {
 	}
 	dir, err := b.ensureDir(ctx, kindKernel, pkg.Key(), valid, func(ctx context.Context, staging string) error {
 		start := time.Now()
-		b.progressf("kernel: fetching %s %s", pkg.Name, pkg.Version)
+		b.progressf(ctx, "kernel: fetching %s %s", pkg.Name, pkg.Version)
 		mm, err := kernel.Fetch(ctx, src, pkg, staging, want)
 		if err != nil {
 			return err
 		}
 		m = mm
-		b.progressf("kernel: %s, %d modules (%s)", mm.Release, len(mm.Modules), time.Since(start).Round(time.Millisecond))
+		b.progressf(ctx, "kernel: %s, %d modules (%s)", mm.Release, len(mm.Modules), time.Since(start).Round(time.Millisecond))
 		b.log().Info("kernel fetched", "step", "kernel", "package", pkg.Name, "version", pkg.Version,
 			"elapsed", time.Since(start).Round(time.Millisecond))
 		return nil
@@ -109,7 +109,7 @@ func (b *Builder) ensureBusybox(ctx context.Context) (*busyboxEntry, error) {
 		return nil
 	}
 	dir, err := b.ensureDir(ctx, kindBusybox, pkg.Key(), valid, func(ctx context.Context, staging string) error {
-		b.progressf("busybox: fetching %s %s", pkg.Name, pkg.Version)
+		b.progressf(ctx, "busybox: fetching %s %s", pkg.Name, pkg.Version)
 		work := filepath.Join(staging, ".work")
 		x := filepath.Join(work, "x")
 		if err := os.MkdirAll(x, 0o755); err != nil {
@@ -186,7 +186,7 @@ func (b *Builder) ensureInitramfs(ctx context.Context, k *kernelEntry, withBusyb
 	}
 	name := hashKey(parts...) + ".cpio.gz"
 	path, err := b.ensureFile(ctx, kindInitramfs, name, func(w io.Writer) error {
-		b.progressf("initramfs: writing (%d modules%s)", len(spec.Modules), map[bool]string{true: ", busybox"}[withBusybox])
+		b.progressf(ctx, "initramfs: writing (%d modules%s)", len(spec.Modules), map[bool]string{true: ", busybox"}[withBusybox])
 		return initramfs.Write(w, spec)
 	})
 	if err != nil {

@@ -69,7 +69,7 @@ func (b *Builder) lock(ctx context.Context, kind, key string) (func(), error) {
 		}
 		if !waited {
 			waited = true
-			b.progressf("waiting for another builder of %s/%s", kind, key)
+			b.progressf(ctx, "waiting for another builder of %s/%s", kind, key)
 		}
 		select {
 		case <-ctx.Done():

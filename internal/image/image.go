@@ -28,6 +28,7 @@ import (
 	"github.com/forkd/forkd/internal/errdefs"
 	"github.com/forkd/forkd/internal/image/deb"
 	"github.com/forkd/forkd/internal/image/rootfs"
+	"github.com/forkd/forkd/internal/progress"
 )
 
 // builderVersion is part of every cache key: bump it when the content a
@@ -197,10 +198,12 @@ func (b *Builder) log() *slog.Logger {
 	return slog.New(slog.DiscardHandler)
 }
 
-func (b *Builder) progressf(format string, args ...any) {
-	if b.Progress != nil {
-		fmt.Fprintf(b.Progress, format+"\n", args...)
-	}
+// progress is where the build reports: the writer of ctx (package
+// progress), else b.Progress.
+func (b *Builder) progress(ctx context.Context) io.Writer { return progress.Writer(ctx, b.Progress) }
+
+func (b *Builder) progressf(ctx context.Context, format string, args ...any) {
+	fmt.Fprintf(b.progress(ctx), format+"\n", args...)
 }
 
 func (b *Builder) debTools() deb.Tools {

@@ -68,14 +68,14 @@ func fakeAgent(t *testing.T) string {
 	return agentPath
 }
 
-// progress is a concurrency-safe progress sink that also logs.
-type progress struct {
+// progressLog is a concurrency-safe progress sink that also logs.
+type progressLog struct {
 	t  *testing.T
 	mu sync.Mutex
 	b  bytes.Buffer
 }
 
-func (p *progress) Write(b []byte) (int, error) {
+func (p *progressLog) Write(b []byte) (int, error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	p.t.Logf("progress: %s", strings.TrimRight(string(b), "\n"))
@@ -83,7 +83,7 @@ func (p *progress) Write(b []byte) (int, error) {
 }
 
 func newBuilder(t *testing.T, cache string) *Builder {
-	return &Builder{CacheDir: cache, AgentPath: fakeAgent(t), Progress: &progress{t: t}}
+	return &Builder{CacheDir: cache, AgentPath: fakeAgent(t), Progress: &progressLog{t: t}}
 }
 
 func TestValidateName(t *testing.T) {

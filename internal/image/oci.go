@@ -145,7 +145,7 @@ func (b *Builder) FromOCI(ctx context.Context, ref string, o OCIOptions) (*Image
 	if err != nil {
 		return nil, err
 	}
-	b.progressf("image %s: importing %s (%s)", o.Tag, ref, src.Digest)
+	b.progressf(ctx, "image %s: importing %s (%s)", o.Tag, ref, src.Digest)
 	key := hashKey(builderVersion, "oci", src.Digest.String(), strings.Join(extra, ","))
 	rf, err := b.ensureRootfs(ctx, key, func(ctx context.Context, tree string, m *rootfsInfo) error {
 		t, err := rootfs.OpenTree(tree)
@@ -153,15 +153,15 @@ func (b *Builder) FromOCI(ctx context.Context, ref string, o OCIOptions) (*Image
 			return err
 		}
 		defer t.Close()
-		if err := oci.Unpack(ctx, src.Image, t, oci.ApplyOptions{Ownership: true, Logger: b.log(), MaxBytes: o.MaxBytes}, b.Progress); err != nil {
+		if err := oci.Unpack(ctx, src.Image, t, oci.ApplyOptions{Ownership: true, Logger: b.log(), MaxBytes: o.MaxBytes}, b.progress(ctx)); err != nil {
 			return err
 		}
 		if err := rootfs.EnsureMountpoints(t); err != nil {
 			return err
 		}
 		if len(extra) > 0 {
-			b.progressf("image %s: installing %s", o.Tag, strings.Join(extra, " "))
-			if err := b.rootfsTools().InstallPackages(ctx, t, extra, b.Progress); err != nil {
+			b.progressf(ctx, "image %s: installing %s", o.Tag, strings.Join(extra, " "))
+			if err := b.rootfsTools().InstallPackages(ctx, t, extra, b.progress(ctx)); err != nil {
 				return err
 			}
 		}

@@ -88,7 +88,7 @@ func (b *Builder) ensureRootfs(ctx context.Context, key string,
 			return err
 		}
 		start := time.Now()
-		b.progressf("rootfs: writing the ext4 image")
+		b.progressf(ctx, "rootfs: writing the ext4 image")
 		size, err := b.rootfsTools().MakeExt4(ctx, tree, filepath.Join(staging, rootfsImage), rootfs.Ext4Options{UUIDSeed: key})
 		if err != nil {
 			return err
@@ -107,7 +107,7 @@ func (b *Builder) ensureRootfs(ctx context.Context, key string,
 		if err := fsutil.CreateFile(filepath.Join(staging, rootfsManifest), append(data, '\n'), 0o644); err != nil {
 			return err
 		}
-		b.progressf("rootfs: %d MiB ext4 image (%s)", size>>20, time.Since(start).Round(time.Millisecond))
+		b.progressf(ctx, "rootfs: %d MiB ext4 image (%s)", size>>20, time.Since(start).Round(time.Millisecond))
 		info = m
 		return nil
 	})
@@ -134,10 +134,10 @@ func (b *Builder) ensureDebootstrapRootfs(ctx context.Context, s RootfsSpec) (*r
 		strings.Join(d.components, ","), strings.Join(pkgs, ","))
 	return b.ensureRootfs(ctx, key, func(ctx context.Context, tree string, m *rootfsInfo) error {
 		start := time.Now()
-		b.progressf("rootfs: debootstrap %s %s from %s with %s (takes minutes)", s.Variant, d.suite, d.mirror, strings.Join(pkgs, ","))
+		b.progressf(ctx, "rootfs: debootstrap %s %s from %s with %s (takes minutes)", s.Variant, d.suite, d.mirror, strings.Join(pkgs, ","))
 		err := b.rootfsTools().Bootstrap(ctx, rootfs.Bootstrap{
 			Suite: d.suite, Mirror: d.mirror, Variant: s.Variant, Components: d.components, Include: pkgs,
-		}, tree, b.Progress)
+		}, tree, b.progress(ctx))
 		if err != nil {
 			return err
 		}

@@ -204,14 +204,18 @@ const (
 )
 
 // ViewSnapshot is a snapshot as the API shows it; refs is its number of
-// live sandboxes.
-func ViewSnapshot(sn *snapshot.Snapshot, refs int) apiv1.Snapshot {
-	return apiv1.Snapshot{
+// live sandboxes and problem why it cannot be forked here (nil: it can).
+func ViewSnapshot(sn *snapshot.Snapshot, refs int, problem error) apiv1.Snapshot {
+	v := apiv1.Snapshot{
 		Tag: sn.Tag, Status: string(sn.Status), Image: sn.Image, Backend: sn.Backend,
 		Accelerator: sn.Accelerator, MemoryMiB: sn.MemoryMiB, VCPUs: sn.VCPUs,
 		SizeBytes: sn.SizeBytes(), Refcount: refs, Created: sn.Created, Parent: sn.Parent, Error: sn.Error,
 		Network: sn.Network, Python: sn.Python,
 	}
+	if problem != nil {
+		v.Problem = problem.Error()
+	}
+	return v
 }
 
 // SnapshotSpec validates a create request into a snapshot spec and, when
@@ -228,6 +232,7 @@ func SnapshotSpec(req *apiv1.CreateSnapshotRequest, importDir string) (sandbox.S
 	if err := image.ValidateOCIOptions(req.OCI.Ref, *oci); err != nil {
 		return spec, nil, fmt.Errorf("oci: %w", err)
 	}
+	spec.OCIRef, spec.OCI = req.OCI.Ref, oci
 	return spec, oci, nil
 }
 

@@ -24,9 +24,13 @@ import (
 
 // SnapshotSpec describes a snapshot to build from an image.
 type SnapshotSpec struct {
-	Tag       string
-	Image     string // built-in image name; ignored when Built is set
-	Built     *image.Image
+	Tag   string
+	Image string // built-in image name; ignored when Built or OCI is set
+	// OCIRef and OCI, when OCI is set, import an OCI image (a registry
+	// reference, a docker-save tarball or an OCI layout) as the image.
+	OCIRef string
+	OCI    *image.OCIOptions
+	Built  *image.Image // an image built already
 	MemoryMiB int
 	VCPUs     int
 	// Warmup commands run in the parent (sh -c) before it is saved.
@@ -61,7 +65,7 @@ func (s *SnapshotSpec) validate() error {
 	if s.VCPUs < 1 || s.VCPUs > MaxVCPUs {
 		return errdefs.InvalidArgument("vcpus %d: want 1 to %d", s.VCPUs, MaxVCPUs)
 	}
-	if s.Built == nil {
+	if s.Built == nil && s.OCI == nil {
 		if err := image.ValidateName(s.Image); err != nil {
 			return err
 		}
@@ -77,8 +81,10 @@ func (s *SnapshotSpec) validate() error {
 	return nil
 }
 
-// CreateSnapshot boots a parent VM from an image, warms it, and saves it as
-// a snapshot named spec.Tag. On any failure nothing is left behind.
+// CreateSnapshot boots a parent VM from an image (built-in, built
+// already, or imported from an OCI image first), warms it, and saves it as
+// a snapshot named spec.Tag. A taken tag is refused before any import or
+// build. On any failure nothing is left behind.
 func (e *Engine) CreateSnapshot(ctx context.Context, spec SnapshotSpec) (*snapshot.Snapshot, error) {
 	if err := spec.validate(); err != nil {
 		return nil, err
@@ -94,7 +100,12 @@ func (e *Engine) CreateSnapshot(ctx context.Context, spec SnapshotSpec) (*snapsh
 	img := spec.Built
 	if img == nil {
 		var err error
-		if img, err = e.images.Build(ctx, spec.Image); err != nil {
+		if spec.OCI != nil {
+			img, err = e.images.FromOCI(ctx, spec.OCIRef, *spec.OCI)
+		} else {
+			img, err = e.images.Build(ctx, spec.Image)
+		}
+		if err != nil {
 			return nil, err
 		}
 	}
@@ -153,7 +164,7 @@ func (e *Engine) CreateSnapshot(ctx context.Context, spec SnapshotSpec) (*snapsh
 		bootSpec.Launch, bootSpec.NICs = launch, nics
 		bootSpec.Cmdline = append(append([]string(nil), bootSpec.Cmdline...), guestNetCmdline()...)
 	}
-	e.progress("booting parent VM (%s, %d MiB, %d vCPU, %s)", img.Name, spec.MemoryMiB, spec.VCPUs, e.cfg.Backend.Capabilities().Accelerator)
+	e.progress(ctx, "booting parent VM (%s, %d MiB, %d vCPU, %s)", img.Name, spec.MemoryMiB, spec.VCPUs, e.cfg.Backend.Capabilities().Accelerator)
 	start := time.Now()
 	m, err := e.cfg.Backend.Boot(ctx, bootSpec)
 	if err != nil {
@@ -175,7 +186,7 @@ func (e *Engine) CreateSnapshot(ctx context.Context, spec SnapshotSpec) (*snapsh
 		stopParent()
 		return nil, err
 	}
-	e.progress("parent ready in %.1fs; saving snapshot", time.Since(start).Seconds())
+	e.progress(ctx, "parent ready in %.1fs; saving snapshot", time.Since(start).Seconds())
 	if err := m.Pause(ctx); err != nil {
 		stopParent()
 		return nil, fmt.Errorf("pause parent: %w", err)
@@ -240,7 +251,7 @@ func (e *Engine) warm(ctx context.Context, m vmm.Machine, spec SnapshotSpec, con
 		return fmt.Errorf("parent init: %w", err)
 	}
 	for _, cmd := range spec.Warmup {
-		e.progress("warmup: %s", cmd)
+		e.progress(ctx, "warmup: %s", cmd)
 		var out limitedBuffer
 		res, err := c.Exec(ctx, agent.ExecRequest{Shell: cmd, Stdout: &out, Stderr: &out, Timeout: 10 * time.Minute})
 		if err != nil {

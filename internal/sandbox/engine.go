@@ -9,6 +9,7 @@
 package sandbox
 
 import (
+	"context"
 	"crypto/rand"
 	"encoding/base32"
 	"errors"
@@ -26,6 +27,7 @@ import (
 	"github.com/forkd/forkd/internal/errdefs"
 	"github.com/forkd/forkd/internal/image"
 	"github.com/forkd/forkd/internal/netns"
+	"github.com/forkd/forkd/internal/progress"
 	"github.com/forkd/forkd/internal/snapshot"
 	"github.com/forkd/forkd/internal/state"
 	"github.com/forkd/forkd/internal/vmm"
@@ -68,6 +70,9 @@ type Config struct {
 	Progress io.Writer
 	Logger   *slog.Logger
 }
+
+// DefaultMaxChildren is the largest fork an engine takes by default.
+const DefaultMaxChildren = 1000
 
 // Engine does the work. Its methods are safe for concurrent use.
 type Engine struct {
@@ -147,7 +152,7 @@ func New(cfg Config) (*Engine, error) {
 		cfg.MaxParallel = 2 * runtime.NumCPU()
 	}
 	if cfg.MaxChildren <= 0 {
-		cfg.MaxChildren = 1000
+		cfg.MaxChildren = DefaultMaxChildren
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
@@ -228,8 +233,10 @@ func (e *Engine) fault(step string) error {
 	return e.cfg.Fault(step)
 }
 
-func (e *Engine) progress(format string, args ...any) {
-	fmt.Fprintf(e.cfg.Progress, format+"\n", args...)
+// progress reports a human progress line to ctx's writer (package
+// progress), else Config.Progress.
+func (e *Engine) progress(ctx context.Context, format string, args ...any) {
+	fmt.Fprintf(progress.Writer(ctx, e.cfg.Progress), format+"\n", args...)
 }
 
 var idEncoding = base32.NewEncoding("abcdefghijklmnopqrstuvwxyz234567").WithPadding(base32.NoPadding)

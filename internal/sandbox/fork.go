@@ -87,17 +87,8 @@ func (e *Engine) Fork(ctx context.Context, spec ForkSpec) (*ForkResult, error) {
 	if err != nil {
 		return nil, err
 	}
-	if snap.Status != snapshot.StatusReady {
-		return nil, errdefs.FailedPrecondition("snapshot %q is %s, not ready", spec.Tag, snap.Status)
-	}
-	if err := snap.Verify(); err != nil {
+	if err := e.Restorable(snap); err != nil {
 		return nil, err
-	}
-	if snap.Backend != e.cfg.Backend.Name() {
-		return nil, errdefs.FailedPrecondition("snapshot %q was made by backend %s; this forkd uses %s", spec.Tag, snap.Backend, e.cfg.Backend.Name())
-	}
-	if snap.Network && e.cfg.Net == nil {
-		return nil, errdefs.FailedPrecondition("snapshot %q has a NIC: its children need per-child network namespaces, which need root", spec.Tag)
 	}
 	if !snap.Network && spec.Net != nil {
 		return nil, errdefs.FailedPrecondition("snapshot %q was made without a NIC, so its children have no network to configure (snapshot with --per-child-netns)", spec.Tag)
@@ -165,6 +156,29 @@ func (e *Engine) Fork(ctx context.Context, spec ForkSpec) (*ForkResult, error) {
 		return nil, errors.Join(append([]error{err}, kerrs...)...)
 	}
 	return res, err
+}
+
+// Restorable says why children of snap cannot be restored by this engine
+// (a FailedPrecondition-class error), or nil when they can: it is ready,
+// its files are intact, its backend and accelerator are this engine's,
+// and its NIC, if any, can be given a namespace.
+func (e *Engine) Restorable(snap *snapshot.Snapshot) error {
+	if snap.Status != snapshot.StatusReady {
+		return errdefs.FailedPrecondition("snapshot %q is %s, not ready", snap.Tag, snap.Status)
+	}
+	if err := snap.Verify(); err != nil {
+		return err
+	}
+	if snap.Backend != e.cfg.Backend.Name() {
+		return errdefs.FailedPrecondition("snapshot %q was made by backend %s; this forkd uses %s", snap.Tag, snap.Backend, e.cfg.Backend.Name())
+	}
+	if acc := e.cfg.Backend.Capabilities().Accelerator; snap.Accelerator != "" && snap.Accelerator != acc {
+		return errdefs.FailedPrecondition("snapshot %q was made under %s; this forkd runs %s", snap.Tag, snap.Accelerator, acc)
+	}
+	if snap.Network && e.cfg.Net == nil {
+		return errdefs.FailedPrecondition("snapshot %q has a NIC: its children need per-child network namespaces, which need root", snap.Tag)
+	}
+	return nil
 }
 
 // forkOne restores one child and waits for its agent. A child without

@@ -21,6 +21,7 @@ import (
 
 	"github.com/forkd/forkd/internal/errdefs"
 	"github.com/forkd/forkd/internal/fsutil"
+	"github.com/forkd/forkd/internal/loopback"
 )
 
 // MinTokenBytes is the shortest bearer token the daemon accepts.
@@ -179,7 +180,7 @@ func (s *Server) authenticate(r *http.Request) (caller string, err error) {
 		if o := r.Header.Get("Origin"); o != "" {
 			return "anonymous@" + host, errdefs.Unauthenticated("requests from web pages (Origin %q) are refused by a daemon without a token", o)
 		}
-		if !LoopbackHost(r.Host) {
+		if !loopback.Host(r.Host) {
 			return "anonymous@" + host, errdefs.Unauthenticated("Host %q: a daemon without a token answers only requests for localhost or a loopback address", r.Host)
 		}
 		return "anonymous@" + host, nil
@@ -193,19 +194,4 @@ func (s *Server) authenticate(r *http.Request) (caller string, err error) {
 		return "bad-token@" + host, errdefs.Unauthenticated("invalid bearer token")
 	}
 	return "token@" + host, nil
-}
-
-// LoopbackHost reports whether a host or host:port (an HTTP Host header, a
-// URL's or a listen address's host) names this machine: localhost or a
-// loopback address.
-func LoopbackHost(hostport string) bool {
-	h := hostport
-	if hh, _, err := net.SplitHostPort(hostport); err == nil {
-		h = hh
-	}
-	if strings.EqualFold(h, "localhost") {
-		return true
-	}
-	ip := net.ParseIP(strings.Trim(h, "[]"))
-	return ip != nil && ip.IsLoopback()
 }

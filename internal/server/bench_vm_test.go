@@ -61,7 +61,7 @@ func BenchmarkAPI(b *testing.B) {
 	})
 	b.Run("exec/api-tcp-stream", func(b *testing.B) {
 		for b.Loop() {
-			if r, err := d.tcp.ExecStream(ctx, id, apiv1.ExecRequest{Args: []string{"true"}}, nil, nil); err != nil || r.ExitCode != 0 {
+			if r, err := d.tcp.ExecStream(ctx, id, apiv1.ExecRequest{Args: []string{"true"}}, nil, nil, nil); err != nil || r.ExitCode != 0 {
 				b.Fatal(err)
 			}
 		}

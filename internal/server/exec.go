@@ -147,12 +147,33 @@ func (f writerFunc) Write(p []byte) (int, error) { return f(p) }
 // with an "error" event.
 func (s *Server) execStream(w http.ResponseWriter, r *http.Request) error {
 	var req apiv1.ExecRequest
-	if err := decodeBody(w, r, s.cfg.MaxBodyBytes, &req); err != nil {
-		return err
+	var stdin io.Reader
+	if mediaType(r) == apiv1.ExecStdinStream {
+		var err error
+		if stdin, err = decodeHead(r.Body, s.cfg.MaxBodyBytes, &req); err != nil {
+			return err
+		}
+		if !req.StdinStream || req.Stdin != nil {
+			return errdefs.InvalidArgument("a %s body streams stdin: set stdin_stream and not stdin", apiv1.ExecStdinStream)
+		}
+	} else {
+		if err := decodeBody(w, r, s.cfg.MaxBodyBytes, &req); err != nil {
+			return err
+		}
+		if req.StdinStream {
+			return errdefs.InvalidArgument("stdin_stream needs Content-Type %s", apiv1.ExecStdinStream)
+		}
 	}
 	areq, err := request.Exec(&req)
 	if err != nil {
 		return err
+	}
+	if stdin != nil {
+		// Stdin is read while the output streams.
+		if err := http.NewResponseController(w).EnableFullDuplex(); err != nil {
+			return errdefs.NotImplemented("streamed stdin: %w", err)
+		}
+		areq.Stdin = stdin
 	}
 	return s.withAgent(r, func(c *agent.Client) error {
 		es := startStream(w)

@@ -1,11 +1,13 @@
 package server
 
 import (
+	"bytes"
 	"crypto/rand"
 	"encoding/base32"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"path/filepath"
 	"sort"
@@ -27,7 +29,9 @@ const keepOperations = 200
 const maxRunningOperations = 32
 
 // operations keeps long-running operations, one JSON file each in dir,
-// each change written atomically before it is visible.
+// each change written atomically before it is visible; with no dir they
+// live in memory only (a server local to one CLI process). Progress
+// lines are kept in memory and written with the operation's end.
 type operations struct {
 	dir string
 
@@ -38,6 +42,9 @@ type operations struct {
 // openOperations loads dir. An operation still running in it was cut short
 // by a daemon stop; it is marked failed.
 func openOperations(dir string) (*operations, error) {
+	if dir == "" {
+		return &operations{ops: map[string]*apiv1.Operation{}}, nil
+	}
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("operations dir: %w", err)
 	}
@@ -169,8 +176,61 @@ func (o *operations) writing() map[string]bool {
 	return tags
 }
 
-// write stores op atomically.
+// progress returns a writer whose lines become operation id's progress.
+func (o *operations) progress(id string) io.Writer {
+	return &lineWriter{line: func(line string) {
+		o.mu.Lock()
+		defer o.mu.Unlock()
+		op := o.ops[id]
+		if op == nil || op.Status != apiv1.OperationRunning {
+			return
+		}
+		// A new slice each time: callers hold copies of op.
+		p := append(append([]string(nil), op.Progress...), line)
+		if len(p) > apiv1.MaxOperationProgress {
+			p = p[len(p)-apiv1.MaxOperationProgress:]
+		}
+		op.Progress = p
+		op.ProgressLines++
+	}}
+}
+
+// lineWriter calls line for each complete line written to it (a line
+// longer than maxProgressLine is cut there), without its newline.
+type lineWriter struct {
+	mu   sync.Mutex // guards buf
+	buf  []byte
+	line func(string)
+}
+
+// maxProgressLine bounds one progress line.
+const maxProgressLine = 1024
+
+func (w *lineWriter) Write(p []byte) (int, error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.buf = append(w.buf, p...)
+	for {
+		var line []byte
+		switch nl := bytes.IndexByte(w.buf, '\n'); {
+		case nl >= 0 && nl <= maxProgressLine:
+			line, w.buf = w.buf[:nl], w.buf[nl+1:]
+		case len(w.buf) >= maxProgressLine:
+			line, w.buf = w.buf[:maxProgressLine], w.buf[maxProgressLine:]
+		default:
+			return len(p), nil
+		}
+		if l := strings.TrimRight(string(line), "\r"); l != "" {
+			w.line(l)
+		}
+	}
+}
+
+// write stores op atomically (nothing without a dir).
 func (o *operations) write(op *apiv1.Operation) error {
+	if o.dir == "" {
+		return nil
+	}
 	b, err := json.Marshal(op)
 	if err != nil {
 		return err
@@ -193,7 +253,9 @@ func (o *operations) prune() {
 	sort.Slice(done, func(i, j int) bool { return done[i].Created.Before(done[j].Created) })
 	// Running operations are never dropped, so fewer than the excess may go.
 	for _, op := range done[:min(len(done), max(0, len(o.ops)-keepOperations))] {
-		os.Remove(filepath.Join(o.dir, op.ID+".json"))
+		if o.dir != "" {
+			os.Remove(filepath.Join(o.dir, op.ID+".json"))
+		}
 		delete(o.ops, op.ID)
 	}
 }

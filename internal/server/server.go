@@ -58,6 +58,12 @@ type Config struct {
 	// which runs the image's apt and maintainer scripts as root on the host
 	// (in a chroot); without it such requests are refused with 400.
 	AllowImageScripts bool
+	// Local makes a server for one CLI process that runs the engine
+	// itself (see Pipe): operations live in memory, local images are
+	// imported from any path and oci.extra is allowed, since both run with
+	// the caller's own rights. OperationsDir, ImportDir and
+	// AllowImageScripts are ignored.
+	Local bool
 	// Audit receives one JSON line per request; nil discards.
 	Audit   io.Writer
 	Logger  *slog.Logger
@@ -110,11 +116,16 @@ func New(cfg Config) (*Server, error) {
 	if cfg.Version == "" {
 		cfg.Version = "dev"
 	}
-	if cfg.OperationsDir == "" {
-		cfg.OperationsDir = cfg.Engine.Config().DataDir + "/operations"
-	}
-	if cfg.ImportDir == "" {
-		cfg.ImportDir = cfg.Engine.Config().DataDir + "/imports"
+	switch {
+	case cfg.Local:
+		cfg.OperationsDir, cfg.ImportDir, cfg.AllowImageScripts = "", "", true
+	default:
+		if cfg.OperationsDir == "" {
+			cfg.OperationsDir = cfg.Engine.Config().DataDir + "/operations"
+		}
+		if cfg.ImportDir == "" {
+			cfg.ImportDir = cfg.Engine.Config().DataDir + "/imports"
+		}
 	}
 	if cfg.Token != nil {
 		if err := CheckToken(cfg.Token); err != nil {

@@ -108,7 +108,7 @@ func TestServerVM(t *testing.T) {
 
 		// Streamed exec delivers lines as they are produced.
 		tw := &timedWriter{}
-		r, err = c.ExecStream(ctx, id, apiv1.ExecRequest{Shell: "for i in 1 2 3 4; do echo line$i; sleep 0.4; done; echo e >&2"}, tw, tw)
+		r, err = c.ExecStream(ctx, id, apiv1.ExecRequest{Shell: "for i in 1 2 3 4; do echo line$i; sleep 0.4; done; echo e >&2"}, nil, tw, tw)
 		if err != nil || r.ExitCode != 0 {
 			t.Fatalf("stream: %+v %v", r, err)
 		}

@@ -5,6 +5,7 @@ import (
 
 	apiv1 "github.com/forkd/forkd/api/v1"
 	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/progress"
 	"github.com/forkd/forkd/internal/request"
 	"github.com/forkd/forkd/internal/snapshot"
 )
@@ -17,7 +18,7 @@ func (s *Server) listSnapshots(r *http.Request) (any, error) {
 	out := apiv1.SnapshotList{Snapshots: []apiv1.Snapshot{}}
 	refs, _ := s.e.Refcounts()
 	for _, sn := range snaps {
-		out.Snapshots = append(out.Snapshots, request.ViewSnapshot(sn, refs[sn.Tag]))
+		out.Snapshots = append(out.Snapshots, request.ViewSnapshot(sn, refs[sn.Tag], s.e.Restorable(sn)))
 	}
 	for tag := range s.ops.writing() {
 		out.Snapshots = append(out.Snapshots, apiv1.Snapshot{Tag: tag, Status: apiv1.SnapshotWriting})
@@ -38,7 +39,7 @@ func (s *Server) getSnapshot(r *http.Request) (any, error) {
 		return nil, err
 	}
 	users, _ := s.e.Users(sn.Tag)
-	return request.ViewSnapshot(sn, len(users)), nil
+	return request.ViewSnapshot(sn, len(users), s.e.Restorable(sn)), nil
 }
 
 func (s *Server) deleteSnapshot(r *http.Request) (any, error) {
@@ -90,13 +91,7 @@ func (s *Server) createSnapshot(r *http.Request, req *apiv1.CreateSnapshotReques
 			return
 		}
 		defer func() { <-s.builds }()
-		var err error
-		if oci != nil {
-			spec.Built, err = s.e.Images().FromOCI(s.base, req.OCI.Ref, *oci)
-		}
-		if err == nil {
-			_, err = s.e.CreateSnapshot(s.base, spec)
-		}
+		_, err := s.e.CreateSnapshot(progress.With(s.base, s.ops.progress(op.ID)), spec)
 		if err != nil {
 			s.log.Warn("snapshot build failed", "snapshot", spec.Tag, "operation", op.ID, "err", err)
 		}

@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"fmt"
 	"net"
-	"os"
 	"os/exec"
 	"path/filepath"
 	"syscall"
@@ -25,7 +24,7 @@ func StartRegistry(t testing.TB) string {
 	l.Close()
 	dir := t.TempDir()
 	cfg := filepath.Join(dir, "config.yml")
-	os.WriteFile(cfg, []byte(fmt.Sprintf(`version: 0.1
+	WriteFile(t, cfg, []byte(fmt.Sprintf(`version: 0.1
 log:
   level: error
 storage:

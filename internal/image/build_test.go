@@ -124,7 +124,7 @@ func TestBuildMinimal(t *testing.T) {
 	}
 
 	// Deterministic: rewriting the initramfs gives the same bytes.
-	os.Remove(img.Initrd)
+	testutil.Remove(t, img.Initrd)
 	third, err := b.Build(ctx, "minimal")
 	if err != nil {
 		t.Fatal(err)

@@ -142,8 +142,8 @@ func TestCheckAgent(t *testing.T) {
 
 func TestHostDistro(t *testing.T) {
 	etc := t.TempDir()
-	os.MkdirAll(filepath.Join(etc, "apt", "sources.list.d"), 0o755)
-	write := func(p, s string) { os.WriteFile(filepath.Join(etc, p), []byte(s), 0o644) }
+	testutil.MkdirAll(t, filepath.Join(etc, "apt", "sources.list.d"), 0o755)
+	write := func(p, s string) { testutil.WriteFile(t, filepath.Join(etc, p), []byte(s), 0o644) }
 
 	b := &Builder{EtcDir: etc}
 	if d := b.hostDistro(); d.suite != "bookworm" || d.mirror != "http://deb.debian.org/debian" {
@@ -154,7 +154,7 @@ func TestHostDistro(t *testing.T) {
 	if d := b.hostDistro(); d.suite != "trixie" || d.mirror != "http://mirror.example/debian" {
 		t.Errorf("one-line: %+v", d)
 	}
-	os.Remove(filepath.Join(etc, "apt/sources.list"))
+	testutil.Remove(t, filepath.Join(etc, "apt/sources.list"))
 	write("apt/sources.list.d/debian.sources", "Types: deb\nURIs: http://sec.example/debian-security\nSuites: trixie-security\n\n"+
 		"Types: deb deb-src\nURIs: https://deb822.example/debian\nSuites: trixie trixie-updates\nComponents: main\n")
 	if d := b.hostDistro(); d.mirror != "https://deb822.example/debian" {
@@ -208,8 +208,8 @@ func TestEnsureDir(t *testing.T) {
 	// A failing build leaves nothing, and its error comes first.
 	boom := errors.New("boom")
 	_, err := b.ensureDir(ctx, "thing", "k1", ok, func(ctx context.Context, staging string) error {
-		os.WriteFile(filepath.Join(staging, "partial"), []byte("x"), 0o644)
-		os.MkdirAll(filepath.Join(staging, "deep/er"), 0o755)
+		testutil.WriteFile(t, filepath.Join(staging, "partial"), []byte("x"), 0o644)
+		testutil.MkdirAll(t, filepath.Join(staging, "deep/er"), 0o755)
 		return boom
 	})
 	if !errors.Is(err, boom) {
@@ -255,9 +255,9 @@ func TestEnsureDir(t *testing.T) {
 
 	// An invalid entry is rebuilt and replaced; a stale staging dir goes.
 	bad := filepath.Join(b.CacheDir, "thing", "k3")
-	os.MkdirAll(bad, 0o755)
-	os.WriteFile(filepath.Join(bad, "junk"), nil, 0o644)
-	os.MkdirAll(filepath.Join(b.CacheDir, "thing", ".staging-k3-crashed"), 0o755)
+	testutil.MkdirAll(t, bad, 0o755)
+	testutil.WriteFile(t, filepath.Join(bad, "junk"), nil, 0o644)
+	testutil.MkdirAll(t, filepath.Join(b.CacheDir, "thing", ".staging-k3-crashed"), 0o755)
 	d, err := b.ensureDir(ctx, "thing", "k3", ok, func(ctx context.Context, staging string) error {
 		return os.WriteFile(filepath.Join(staging, "done"), nil, 0o644)
 	})
@@ -300,7 +300,9 @@ func TestEnsureFile(t *testing.T) {
 	b := &Builder{CacheDir: t.TempDir()}
 	ctx := context.Background()
 	if _, err := b.ensureFile(ctx, "f", "x.bin", func(w io.Writer) error {
-		w.Write([]byte("partial"))
+		if _, err := w.Write([]byte("partial")); err != nil {
+			return err
+		}
 		return errors.New("fail")
 	}); err == nil {
 		t.Fatal("no error")
@@ -323,11 +325,11 @@ func TestRemoveTreeMounts(t *testing.T) {
 	testutil.RequireRoot(t)
 	dir := t.TempDir()
 	mnt := filepath.Join(dir, "tree", "proc")
-	os.MkdirAll(mnt, 0o755)
+	testutil.MkdirAll(t, mnt, 0o755)
 	if out, err := exec.Command("mount", "-t", "tmpfs", "tmpfs", mnt).CombinedOutput(); err != nil {
 		t.Fatalf("mount: %v %s", err, out)
 	}
-	os.WriteFile(filepath.Join(mnt, "in-mount"), nil, 0o644)
+	testutil.WriteFile(t, filepath.Join(mnt, "in-mount"), nil, 0o644)
 	if err := removeTree(filepath.Join(dir, "tree")); err != nil {
 		exec.Command("umount", "-l", mnt).Run()
 		t.Fatal(err)

@@ -54,7 +54,7 @@ func tarBytes(t *testing.T, ents []tarEntry) []byte {
 		if err := tw.WriteHeader(h); err != nil {
 			t.Fatal(err)
 		}
-		tw.Write(e.data)
+		testutil.Write(t, h.Name, tw, e.data)
 	}
 	if err := tw.Close(); err != nil {
 		t.Fatal(err)
@@ -268,7 +268,7 @@ func TestFromOCIErrors(t *testing.T) {
 	before := snapshotCache(t, cache)
 
 	garbage := filepath.Join(t.TempDir(), "garbage.tar")
-	os.WriteFile(garbage, bytes.Repeat([]byte("not a docker save tarball "), 100), 0o644)
+	testutil.WriteFile(t, garbage, bytes.Repeat([]byte("not a docker save tarball "), 100), 0o644)
 	evilDir := ocitest.Layout(t, ocitest.Image(t, ocitest.Layer(t, tarBytes(t, []tarEntry{
 		{name: "ok", data: []byte("fine")},
 		{name: "../../../../tmp/forkd-evil", data: []byte("escaped")},
@@ -351,9 +351,9 @@ func debianTar(t *testing.T) string {
 	if _, err := os.Stat(out); err == nil {
 		return out
 	}
-	os.MkdirAll(filepath.Dir(out), 0o755)
+	testutil.MkdirAll(t, filepath.Dir(out), 0o755)
 	tree := filepath.Join(t.TempDir(), "tree")
-	os.Mkdir(tree, 0o755)
+	testutil.Mkdir(t, tree, 0o755)
 	start := time.Now()
 	err := rootfs.Tools{}.Bootstrap(context.Background(), rootfs.Bootstrap{
 		Suite: d.suite, Mirror: d.mirror, Variant: "minbase", Components: d.components}, tree, nil)

@@ -9,6 +9,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/forkd/forkd/internal/testutil"
 )
 
 func TestReclaim(t *testing.T) {
@@ -20,16 +22,16 @@ func TestReclaim(t *testing.T) {
 		if err := os.MkdirAll(filepath.Join(p, "sub"), 0o700); err != nil {
 			t.Fatal(err)
 		}
-		os.WriteFile(filepath.Join(p, "sub", "f"), []byte("x"), 0o644)
+		testutil.WriteFile(t, filepath.Join(p, "sub", "f"), []byte("x"), 0o644)
 		return p
 	}
 	write := func(p string, mtime time.Time) {
 		p = filepath.Join(cache, p)
-		os.MkdirAll(filepath.Dir(p), 0o755)
+		testutil.MkdirAll(t, filepath.Dir(p), 0o755)
 		if err := os.WriteFile(p, []byte("x"), 0o644); err != nil {
 			t.Fatal(err)
 		}
-		os.Chtimes(p, mtime, mtime)
+		testutil.Chtimes(t, p, mtime, mtime)
 	}
 	mkdir("rootfs/" + hashKey("crashed"))
 	mkdir("rootfs/.staging-" + hashKey("crashed") + "-123456")

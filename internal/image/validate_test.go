@@ -1,12 +1,12 @@
 package image
 
 import (
-	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 
 	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/testutil"
 )
 
 func TestValidateOCIOptions(t *testing.T) {
@@ -14,7 +14,7 @@ func TestValidateOCIOptions(t *testing.T) {
 	inside := filepath.Join(imports, "img.tar")
 	outside := filepath.Join(t.TempDir(), "img.tar")
 	for _, p := range []string{inside, outside} {
-		os.WriteFile(p, []byte("x"), 0o644)
+		testutil.WriteFile(t, p, []byte("x"), 0o644)
 	}
 	many := make([]string, MaxExtraPackages+1)
 	for i := range many {

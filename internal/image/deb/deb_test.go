@@ -72,9 +72,18 @@ exit 100
 		t.Fatal(err)
 	}
 	lists := filepath.Join(dir, "lists")
-	os.Mkdir(lists, 0o755)
-	os.WriteFile(filepath.Join(lists, "mirror_dists_x_main_binary-amd64_Packages"), []byte("a"), 0o644)
+	must(t, os.Mkdir(lists, 0o755))
+	must(t, os.WriteFile(filepath.Join(lists, "mirror_dists_x_main_binary-amd64_Packages"), []byte("a"), 0o644))
 	return Tools{AptCache: p, AptGet: "/bin/true", ListsDir: lists, Memo: filepath.Join(dir, "memo.json")}, calls
+}
+
+// must fails t when a setup step failed. (This package cannot use
+// testutil's helpers: testutil imports it.)
+func must(t *testing.T, err error) {
+	t.Helper()
+	if err != nil {
+		t.Fatal(err)
+	}
 }
 
 func countCalls(t *testing.T, calls string) int {
@@ -96,7 +105,7 @@ func TestCandidateMemo(t *testing.T) {
 	}
 	// New package lists invalidate the memo.
 	later := time.Now().Add(time.Minute)
-	os.Chtimes(filepath.Join(tools.ListsDir, "mirror_dists_x_main_binary-amd64_Packages"), later, later)
+	must(t, os.Chtimes(filepath.Join(tools.ListsDir, "mirror_dists_x_main_binary-amd64_Packages"), later, later))
 	if _, err := tools.Candidate(ctx, "known"); err != nil {
 		t.Fatal(err)
 	}

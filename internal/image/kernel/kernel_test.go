@@ -82,19 +82,19 @@ func compress(t *testing.T, suffix string, data []byte) []byte {
 		if err != nil {
 			t.Fatal(err)
 		}
-		w.Write(data)
-		w.Close()
+		testutil.Write(t, suffix, w, data)
+		testutil.Close(t, suffix, w)
 	case ".ko.xz":
 		w, err := xz.NewWriter(&b)
 		if err != nil {
 			t.Fatal(err)
 		}
-		w.Write(data)
-		w.Close()
+		testutil.Write(t, suffix, w, data)
+		testutil.Close(t, suffix, w)
 	case ".ko.gz":
 		w := gzip.NewWriter(&b)
-		w.Write(data)
-		w.Close()
+		testutil.Write(t, suffix, w, data)
+		testutil.Close(t, suffix, w)
 	}
 	return b.Bytes()
 }
@@ -107,7 +107,7 @@ func writeTree(t *testing.T, mods map[string]string, builtin ...string) *Tree {
 		name, _ := ModuleName(file)
 		suffix := strings.TrimPrefix(filepath.Base(file), strings.SplitN(filepath.Base(file), ".", 2)[0])
 		p := filepath.Join(dir, "kernel", file)
-		os.MkdirAll(filepath.Dir(p), 0o755)
+		testutil.MkdirAll(t, filepath.Dir(p), 0o755)
 		data := compress(t, suffix, fakeModule("license=GPL", "depends="+deps, "name="+name, "alias=a", "alias=b"))
 		if err := os.WriteFile(p, data, 0o644); err != nil {
 			t.Fatal(err)
@@ -117,7 +117,7 @@ func writeTree(t *testing.T, mods map[string]string, builtin ...string) *Tree {
 	for _, b := range builtin {
 		bl = append(bl, "kernel/"+b+".ko\n"...)
 	}
-	os.WriteFile(filepath.Join(dir, "modules.builtin"), bl, 0o644)
+	testutil.WriteFile(t, filepath.Join(dir, "modules.builtin"), bl, 0o644)
 	tree, err := ScanTree(dir)
 	if err != nil {
 		t.Fatal(err)
@@ -145,7 +145,7 @@ func TestModinfoCompressed(t *testing.T) {
 		}
 	}
 	p := filepath.Join(t.TempDir(), "bad.ko")
-	os.WriteFile(p, []byte("not an elf"), 0o644)
+	testutil.WriteFile(t, p, []byte("not an elf"), 0o644)
 	if _, err := ReadModinfo(p); !errdefs.IsInvalidArgument(err) {
 		t.Errorf("garbage module: %v, want InvalidArgument", err)
 	}
@@ -311,7 +311,7 @@ func TestFetch(t *testing.T) {
 	if len(b) < 1<<20 || string(b[0x202:0x206]) != "HdrS" {
 		t.Errorf("vmlinuz is not a bzImage (%d bytes)", len(b))
 	}
-	os.Remove(filepath.Join(dir, "modules", m.Modules[0]))
+	testutil.Remove(t, filepath.Join(dir, "modules", m.Modules[0]))
 	if _, err := ReadManifest(dir); !errdefs.IsNotFound(err) {
 		t.Errorf("manifest with a missing module: %v", err)
 	}
@@ -322,14 +322,14 @@ func buildDeb(t *testing.T, pkg, version string, depends string, files map[strin
 	t.Helper()
 	testutil.RequireCommand(t, "dpkg-deb")
 	root := filepath.Join(t.TempDir(), pkg)
-	os.MkdirAll(filepath.Join(root, "DEBIAN"), 0o755)
+	testutil.MkdirAll(t, filepath.Join(root, "DEBIAN"), 0o755)
 	control := "Package: " + pkg + "\nVersion: " + version + "\nArchitecture: amd64\nMaintainer: t <t@example.com>\nDescription: test\n"
 	if depends != "" {
 		control += "Depends: " + depends + "\n"
 	}
-	os.WriteFile(filepath.Join(root, "DEBIAN", "control"), []byte(control), 0o644)
+	testutil.WriteFile(t, filepath.Join(root, "DEBIAN", "control"), []byte(control), 0o644)
 	for p, data := range files {
-		os.MkdirAll(filepath.Dir(filepath.Join(root, p)), 0o755)
+		testutil.MkdirAll(t, filepath.Dir(filepath.Join(root, p)), 0o755)
 		if err := os.WriteFile(filepath.Join(root, p), data, 0o644); err != nil {
 			t.Fatal(err)
 		}

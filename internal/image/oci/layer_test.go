@@ -16,6 +16,7 @@ import (
 
 	"github.com/forkd/forkd/internal/errdefs"
 	"github.com/forkd/forkd/internal/image/rootfs"
+	"github.com/forkd/forkd/internal/testutil"
 )
 
 // ent is one tar entry for a test layer.
@@ -49,7 +50,7 @@ func layerTar(t *testing.T, ents ...ent) []byte {
 			t.Fatal(err)
 		}
 		if h.Size > 0 {
-			tw.Write([]byte(e.data))
+			testutil.Write(t, h.Name, tw, []byte(e.data))
 		}
 	}
 	if err := tw.Close(); err != nil {

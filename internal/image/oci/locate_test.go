@@ -10,6 +10,7 @@ import (
 
 	"github.com/forkd/forkd/internal/errdefs"
 	"github.com/forkd/forkd/internal/image/oci/ocitest"
+	"github.com/forkd/forkd/internal/testutil"
 )
 
 func TestLocateConfinesToRoot(t *testing.T) {
@@ -20,15 +21,15 @@ func TestLocateConfinesToRoot(t *testing.T) {
 		if err := os.MkdirAll(d, 0o755); err != nil {
 			t.Fatal(err)
 		}
-		os.WriteFile(filepath.Join(d, "oci-layout"), []byte(`{"imageLayoutVersion":"1.0.0"}`), 0o644)
+		testutil.WriteFile(t, filepath.Join(d, "oci-layout"), []byte(`{"imageLayoutVersion":"1.0.0"}`), 0o644)
 	}
-	os.WriteFile(filepath.Join(root, "img.tar"), []byte("x"), 0o644)
-	os.WriteFile(filepath.Join(outside, "img.tar"), []byte("x"), 0o644)
-	os.Symlink(filepath.Join(outside, "img.tar"), filepath.Join(root, "link.tar"))
-	os.Symlink(outside, filepath.Join(root, "linkdir"))
+	testutil.WriteFile(t, filepath.Join(root, "img.tar"), []byte("x"), 0o644)
+	testutil.WriteFile(t, filepath.Join(outside, "img.tar"), []byte("x"), 0o644)
+	testutil.Symlink(t, filepath.Join(outside, "img.tar"), filepath.Join(root, "link.tar"))
+	testutil.Symlink(t, outside, filepath.Join(root, "linkdir"))
 	// A root reached through a symlink still confines.
 	rootLink := filepath.Join(base, "root-link")
-	os.Symlink(root, rootLink)
+	testutil.Symlink(t, root, rootLink)
 
 	for _, c := range []struct {
 		ref, root string
@@ -124,7 +125,7 @@ func TestLayoutWithOtherPlatformsMissing(t *testing.T) {
 	}
 	idx["manifests"] = append(idx["manifests"].([]any), other)
 	b, _ = json.Marshal(idx)
-	os.WriteFile(p, b, 0o644)
+	testutil.WriteFile(t, p, b, 0o644)
 	src, err := Open(context.Background(), "oci:"+dir, OpenOptions{})
 	if err != nil {
 		t.Fatalf("layout listing a missing riscv64 manifest: %v", err)

@@ -19,6 +19,7 @@ import (
 
 	"github.com/forkd/forkd/internal/errdefs"
 	"github.com/forkd/forkd/internal/image/oci/ocitest"
+	"github.com/forkd/forkd/internal/testutil"
 )
 
 func unpackRef(t *testing.T, ref string, o ApplyOptions) (string, error) {
@@ -116,16 +117,20 @@ func sparseTar(t *testing.T) []byte {
 		rec("GNU.sparse.name", "huge") + rec("GNU.sparse.realsize", fmt.Sprint(int64(1)<<50))
 	var b bytes.Buffer
 	tw := tar.NewWriter(&b)
-	tw.WriteHeader(&tar.Header{Name: "PaxHeaders/huge", Typeflag: tar.TypeReg, Size: int64(len(recs)), Mode: 0o644, Format: tar.FormatUSTAR})
-	tw.Write([]byte(recs))
+	if err := tw.WriteHeader(&tar.Header{Name: "PaxHeaders/huge", Typeflag: tar.TypeReg, Size: int64(len(recs)), Mode: 0o644, Format: tar.FormatUSTAR}); err != nil {
+		t.Fatal(err)
+	}
+	testutil.Write(t, "PaxHeaders/huge", tw, []byte(recs))
 	// The sparse map (0 holes... one data block of 0 bytes at the end),
 	// in its own 512-byte block, then no data.
 	sparseMap := "1\n" + fmt.Sprint(int64(1)<<50) + "\n0\n"
 	data := make([]byte, 512)
 	copy(data, sparseMap)
-	tw.WriteHeader(&tar.Header{Name: "GNUSparseFile.0/huge", Typeflag: tar.TypeReg, Size: 512, Mode: 0o644, Format: tar.FormatUSTAR})
-	tw.Write(data)
-	tw.Close()
+	if err := tw.WriteHeader(&tar.Header{Name: "GNUSparseFile.0/huge", Typeflag: tar.TypeReg, Size: 512, Mode: 0o644, Format: tar.FormatUSTAR}); err != nil {
+		t.Fatal(err)
+	}
+	testutil.Write(t, "GNUSparseFile.0/huge", tw, data)
+	testutil.Close(t, "tar writer", tw)
 	out := b.Bytes()
 	// Make the first header a PAX extended header.
 	h := out[:512]
@@ -228,12 +233,17 @@ func TestOpenBoundsMetadata(t *testing.T) {
 
 	// docker-archive: manifest.json is read whole.
 	p := filepath.Join(t.TempDir(), "big.tar")
-	f, _ := os.Create(p)
+	f, err := os.Create(p)
+	if err != nil {
+		t.Fatal(err)
+	}
 	tw := tar.NewWriter(f)
-	tw.WriteHeader(&tar.Header{Name: "manifest.json", Typeflag: tar.TypeReg, Mode: 0o644, Size: MaxMetadata + 1})
-	tw.Write(bytes.Repeat([]byte(" "), MaxMetadata+1))
-	tw.Close()
-	f.Close()
+	if err := tw.WriteHeader(&tar.Header{Name: "manifest.json", Typeflag: tar.TypeReg, Mode: 0o644, Size: MaxMetadata + 1}); err != nil {
+		t.Fatal(err)
+	}
+	testutil.Write(t, "manifest.json", tw, bytes.Repeat([]byte(" "), MaxMetadata+1))
+	testutil.Close(t, "tar writer", tw)
+	testutil.Close(t, p, f)
 	if _, err := Open(context.Background(), "docker-archive:"+p, OpenOptions{}); !errdefs.IsInvalidArgument(err) || !strings.Contains(err.Error(), "manifest.json is") {
 		t.Errorf("big manifest.json: got %v", err)
 	}

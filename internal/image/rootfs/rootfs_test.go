@@ -34,9 +34,9 @@ func newTree(t *testing.T) (*Tree, string, string) {
 	t.Helper()
 	base := t.TempDir()
 	root, outside := filepath.Join(base, "root"), filepath.Join(base, "outside")
-	os.Mkdir(root, 0o755)
-	os.Mkdir(outside, 0o755)
-	os.WriteFile(filepath.Join(outside, "precious"), []byte("keep"), 0o644)
+	testutil.Mkdir(t, root, 0o755)
+	testutil.Mkdir(t, outside, 0o755)
+	testutil.WriteFile(t, filepath.Join(outside, "precious"), []byte("keep"), 0o644)
 	tr, err := OpenTree(root)
 	if err != nil {
 		t.Fatal(err)
@@ -190,14 +190,14 @@ func TestMakeExt4(t *testing.T) {
 	// Many small files: inodes, not bytes, must fit.
 	for d := 0; d < 100; d++ {
 		sub := filepath.Join(dir, "many", fmt.Sprintf("d%03d", d))
-		os.MkdirAll(sub, 0o755)
+		testutil.MkdirAll(t, sub, 0o755)
 		for i := 0; i < 200; i++ {
-			os.WriteFile(filepath.Join(sub, fmt.Sprintf("f%03d", i)), []byte("x"), 0o644)
+			testutil.WriteFile(t, filepath.Join(sub, fmt.Sprintf("f%03d", i)), []byte("x"), 0o644)
 		}
 	}
-	os.WriteFile(filepath.Join(dir, "big"), make([]byte, 8<<20), 0o644)
-	os.Link(filepath.Join(dir, "big"), filepath.Join(dir, "big-link"))
-	os.Symlink(strings.Repeat("long/", 20)+"target", filepath.Join(dir, "longlink"))
+	testutil.WriteFile(t, filepath.Join(dir, "big"), make([]byte, 8<<20), 0o644)
+	testutil.Link(t, filepath.Join(dir, "big"), filepath.Join(dir, "big-link"))
+	testutil.Symlink(t, strings.Repeat("long/", 20)+"target", filepath.Join(dir, "longlink"))
 	out := filepath.Join(t.TempDir(), "root.ext4")
 	size, err := Tools{}.MakeExt4(context.Background(), dir, out, Ext4Options{UUIDSeed: "seed"})
 	if err != nil {

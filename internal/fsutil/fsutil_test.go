@@ -64,7 +64,9 @@ func TestWriteWithFailureLeavesNothing(t *testing.T) {
 	}
 	boom := errors.New("boom")
 	err := WriteWith(p, 0o644, func(w io.Writer) error {
-		io.WriteString(w, "partial")
+		if _, err := io.WriteString(w, "partial"); err != nil {
+			return err
+		}
 		// The temporary file exists while write runs, under TempPrefix.
 		for _, n := range entries(t, dir) {
 			if n != "f" && !strings.HasPrefix(n, TempPrefix("f")) {

@@ -91,9 +91,13 @@ func TestReaderPartialTimeout(t *testing.T) {
 	defer pw.Close()
 	torn := mustFrame(t, Frame{Type: TypeData, ID: 1, Payload: bytes.Repeat([]byte{'a'}, 50000)})
 	good := mustFrame(t, Frame{Type: TypeHello, Payload: []byte(`{"nonce":"n"}`)})
+	werr := make(chan error, 1)
 	go func() {
-		pw.Write(torn[:1000])
-		pw.Write(good) // swallowed by the torn frame's payload at first
+		_, err := pw.Write(torn[:1000])
+		if err == nil {
+			_, err = pw.Write(good) // swallowed by the torn frame's payload at first
+		}
+		werr <- err
 	}()
 	r := NewReader(pr)
 	r.PartialTimeout = 200 * time.Millisecond
@@ -101,6 +105,9 @@ func TestReaderPartialTimeout(t *testing.T) {
 	f, err := r.Next()
 	if err != nil || f.Type != TypeHello {
 		t.Fatalf("got %+v, %v", f, err)
+	}
+	if err := <-werr; err != nil {
+		t.Fatalf("write to the pipe: %v", err)
 	}
 	if d := time.Since(start); d < 200*time.Millisecond {
 		t.Fatalf("frame found after %v, before the partial timeout", d)

@@ -319,7 +319,7 @@ func TestCleanup(t *testing.T) {
 		t.Fatalf("kill VMM %d: %v", victim.PID, err)
 	}
 	stray := filepath.Join(c.data, "run", "sb-strayzzzzz")
-	os.MkdirAll(stray, 0o700)
+	testutil.MkdirAll(t, stray, 0o700)
 	var rep struct {
 		Adopted    []string `json:"adopted"`
 		Dead       []string `json:"dead"`

@@ -37,10 +37,10 @@ func layer(t *testing.T, files [][2]string) v1.Layer {
 			t.Fatal(err)
 		}
 		if h.Typeflag == tar.TypeReg {
-			tw.Write([]byte(f[1]))
+			testutil.Write(t, h.Name, tw, []byte(f[1]))
 		}
 	}
-	tw.Close()
+	testutil.Close(t, "tar writer", tw)
 	data := b.Bytes()
 	l, err := tarball.LayerFromOpener(func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(data)), nil })
 	if err != nil {
@@ -119,9 +119,11 @@ func TestFromImage(t *testing.T) {
 	before := strings.Join(entries(), ",")
 	evil := ociImage(t, layer(t, [][2]string{{"../../escape", "x"}}))
 	evilTar := filepath.Join(t.TempDir(), "evil.tar")
-	tarball.WriteToFile(evilTar, tag, evil)
+	if err := tarball.WriteToFile(evilTar, tag, evil); err != nil {
+		t.Fatal(err)
+	}
 	junk := filepath.Join(t.TempDir(), "junk.tar")
-	os.WriteFile(junk, []byte("this is not an image"), 0o644)
+	testutil.WriteFile(t, junk, []byte("this is not an image"), 0o644)
 	for _, bad := range []string{evilTar, junk, addr + "/forkd/missing:1", "/nonexistent/image.tar"} {
 		_, errs, code := c.run("from-image", bad, "--tag", "bad", "--insecure")
 		if code == 0 || strings.TrimSpace(errs) == "" {

@@ -186,9 +186,14 @@ func TestCopyAndPrivateWrites(t *testing.T) {
 
 	dir := t.TempDir()
 	src := filepath.Join(dir, "src")
-	f, _ := os.Create(src)
-	io.CopyN(f, rand.Reader, 100<<20)
-	f.Close()
+	f, err := os.Create(src)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := io.CopyN(f, rand.Reader, 100<<20); err != nil {
+		t.Fatal(err)
+	}
+	testutil.Close(t, src, f)
 	start := time.Now()
 	c.ok("cp", src, a+":/root/big")
 	in := time.Since(start)

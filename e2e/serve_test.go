@@ -137,14 +137,14 @@ func TestServeRefusesWeakSetup(t *testing.T) {
 		"":                               "empty",
 		"aaaaaaaaaaaaaaaaaaaaaaaaaaaa\n": "distinct",
 	} {
-		os.WriteFile(tf, []byte(content), 0o600)
+		testutil.WriteFile(t, tf, []byte(content), 0o600)
 		errs, code := refused(t, c, "serve", "--socket", "", "--listen", "127.0.0.1:0", "--token-file", tf)
 		if code == 0 || !strings.Contains(errs, want) {
 			t.Errorf("token %q: exit %d, %q", content, code, errs)
 		}
 	}
-	os.WriteFile(tf, []byte("3f9c2b1e7a6d5c4b3a29181706f5e4d3\n"), 0o600)
-	os.Chmod(tf, 0o644)
+	testutil.WriteFile(t, tf, []byte("3f9c2b1e7a6d5c4b3a29181706f5e4d3\n"), 0o600)
+	testutil.Chmod(t, tf, 0o644)
 	if errs, code := refused(t, c, "serve", "--socket", "", "--listen", "127.0.0.1:0", "--token-file", tf); code == 0 || !strings.Contains(errs, "chmod 600") {
 		t.Errorf("0644 token file: exit %d, %q", code, errs)
 	}
@@ -372,7 +372,7 @@ func TestServeAcceptance(t *testing.T) {
 	}
 	st.Delete(orphan.ID)
 	stray := filepath.Join(c.data, "run", "sb-straystray")
-	os.MkdirAll(stray, 0o700)
+	testutil.MkdirAll(t, stray, 0o700)
 	d.start()
 	if !strings.Contains(d.output(), "3 sandbox(es) re-adopted, 1 found dead, 0 half-started aborted, 1 orphan VMM(s) killed") {
 		t.Errorf("reconcile report:\n%s", d.output())
@@ -479,10 +479,13 @@ func TestServeTLS(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	kb, _ := x509.MarshalECPrivateKey(key)
+	kb, err := x509.MarshalECPrivateKey(key)
+	if err != nil {
+		t.Fatal(err)
+	}
 	certFile, keyFile := filepath.Join(c.data, "cert.pem"), filepath.Join(c.data, "key.pem")
-	os.WriteFile(certFile, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}), 0o644)
-	os.WriteFile(keyFile, pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: kb}), 0o600)
+	testutil.WriteFile(t, certFile, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}), 0o644)
+	testutil.WriteFile(t, keyFile, pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: kb}), 0o600)
 
 	d := startServe(t, c, "--tls-cert", certFile, "--tls-key", keyFile)
 	cert, _ := x509.ParseCertificate(der)

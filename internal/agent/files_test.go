@@ -71,7 +71,7 @@ func TestWriteFileAbortsOnReadError(t *testing.T) {
 	c := startGuest(t, guest.Config{}).dial()
 	dir := t.TempDir()
 	path := filepath.Join(dir, "f")
-	os.WriteFile(path, []byte("old"), 0o644)
+	testutil.WriteFile(t, path, []byte("old"), 0o644)
 	boom := errors.New("source broke")
 	src := io.MultiReader(bytes.NewReader(make([]byte, 100000)), errReader{boom})
 	if _, err := c.WriteFile(testCtx(t), path, src, 0); !errors.Is(err, boom) {
@@ -109,9 +109,9 @@ func TestFileOperations(t *testing.T) {
 	if err != nil || created {
 		t.Fatalf("MakeDir of an existing dir = %v, %v", created, err)
 	}
-	os.WriteFile(dir+"/x/file", []byte("hi"), 0o600)
-	os.WriteFile(dir+"/plain", nil, 0o600)
-	os.Symlink("file", dir+"/x/link")
+	testutil.WriteFile(t, dir+"/x/file", []byte("hi"), 0o600)
+	testutil.WriteFile(t, dir+"/plain", nil, 0o600)
+	testutil.Symlink(t, "file", dir+"/x/link")
 
 	entries, err := c.ListDir(ctx, dir+"/x", 1)
 	if err != nil {
@@ -187,7 +187,7 @@ func TestFilePermissionDenied(t *testing.T) {
 	}
 	c := startGuest(t, guest.Config{}).dial()
 	dir := t.TempDir()
-	os.WriteFile(dir+"/secret", []byte("x"), 0o000)
+	testutil.WriteFile(t, dir+"/secret", []byte("x"), 0o000)
 	_, err := c.ReadFile(testCtx(t), dir+"/secret", io.Discard)
 	if !errdefs.IsFailedPrecondition(err) {
 		t.Fatalf("read of a 0000 file = %v", err)
@@ -216,8 +216,8 @@ func TestListDirTooLargeForOneMessage(t *testing.T) {
 	}
 	// The session still works, and a smaller listing succeeds.
 	sub := filepath.Join(dir, "sub")
-	os.Mkdir(sub, 0o755)
-	os.WriteFile(filepath.Join(sub, "f"), nil, 0o644)
+	testutil.Mkdir(t, sub, 0o755)
+	testutil.WriteFile(t, filepath.Join(sub, "f"), nil, 0o644)
 	if entries, err := c.ListDir(ctx, sub, 1); err != nil || len(entries) != 1 {
 		t.Fatalf("ListDir after the failure = %v, %v", entries, err)
 	}

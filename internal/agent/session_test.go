@@ -22,6 +22,7 @@ import (
 	"github.com/forkd/forkd/internal/agent/proto"
 	"github.com/forkd/forkd/internal/errdefs"
 	"github.com/forkd/forkd/internal/guest"
+	"github.com/forkd/forkd/internal/testutil"
 )
 
 func TestHandshakeAndPing(t *testing.T) {
@@ -459,7 +460,7 @@ func TestSlowHostLosesNothing(t *testing.T) {
 	data := make([]byte, 4<<20)
 	rand.Read(data)
 	path := filepath.Join(t.TempDir(), "f")
-	os.WriteFile(path, data, 0o600)
+	testutil.WriteFile(t, path, data, 0o600)
 	h := sha256.New()
 	var wg sync.WaitGroup
 	errs := make(chan error, 3)

@@ -1,7 +1,9 @@
 package cgroup
 
 import (
+	"errors"
 	"fmt"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"slices"
@@ -12,6 +14,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/testutil"
 )
 
 // fakeHost is a cgroup tree in a temporary directory: a mountinfo, a
@@ -55,7 +58,7 @@ func newFake(t *testing.T, v1 []string, v2ctrls, ownPath string) *fakeHost {
 			t.Fatal(err)
 		}
 		for _, file := range []string{"cgroup.procs", "tasks"} {
-			os.WriteFile(filepath.Join(own, file), nil, 0o644)
+			testutil.WriteFile(t, filepath.Join(own, file), nil, 0o644)
 		}
 		f.mounts[name] = mnt
 		fmt.Fprintf(&mi, "%d 25 0:%d / %s rw,relatime shared:%d - %s %s %s\n", id, id, mnt, id, fstype, fstype, opts)
@@ -72,13 +75,13 @@ func newFake(t *testing.T, v1 []string, v2ctrls, ownPath string) *fakeHost {
 		add("unified", "cgroup2", "rw", 0)
 		fmt.Fprintf(&self, "0::%s\n", ownPath)
 		own := filepath.Join(f.mounts["unified"], ownPath)
-		os.WriteFile(filepath.Join(own, "cgroup.controllers"), []byte(v2ctrls+"\n"), 0o644)
-		os.WriteFile(filepath.Join(own, "cgroup.subtree_control"), nil, 0o644)
+		testutil.WriteFile(t, filepath.Join(own, "cgroup.controllers"), []byte(v2ctrls+"\n"), 0o644)
+		testutil.WriteFile(t, filepath.Join(own, "cgroup.subtree_control"), nil, 0o644)
 	}
 	f.mountInfo = filepath.Join(f.root, "mountinfo")
 	f.self = filepath.Join(f.root, "cgroup")
-	os.WriteFile(f.mountInfo, []byte(mi.String()), 0o644)
-	os.WriteFile(f.self, []byte(self.String()), 0o644)
+	testutil.WriteFile(t, f.mountInfo, []byte(mi.String()), 0o644)
+	testutil.WriteFile(t, f.self, []byte(self.String()), 0o644)
 	return f
 }
 
@@ -212,7 +215,7 @@ func TestDiscoverHybrid(t *testing.T) {
 		t.Fatalf("destroy with a process that never leaves: %v", err)
 	}
 	for _, h := range []string{"memory", "cpu", "cpuacct", "pids", "blkio"} {
-		os.WriteFile(filepath.Join(dir(h), "cgroup.procs"), nil, 0o644)
+		testutil.WriteFile(t, filepath.Join(dir(h), "cgroup.procs"), nil, 0o644)
 	}
 	if err := g.Destroy(); err != nil {
 		t.Fatal(err)
@@ -270,9 +273,9 @@ func TestDiscoverV2(t *testing.T) {
 			t.Errorf("%s = %q, want %q", file, got, want)
 		}
 	}
-	os.WriteFile(filepath.Join(d, "memory.events"), []byte("low 0\nhigh 0\nmax 7\noom 1\noom_kill 1\n"), 0o644)
-	os.WriteFile(filepath.Join(d, "cpu.stat"), []byte("usage_usec 1500000\nuser_usec 1000000\nnr_throttled 3\n"), 0o644)
-	os.WriteFile(filepath.Join(d, "memory.current"), []byte("1234\n"), 0o644)
+	testutil.WriteFile(t, filepath.Join(d, "memory.events"), []byte("low 0\nhigh 0\nmax 7\noom 1\noom_kill 1\n"), 0o644)
+	testutil.WriteFile(t, filepath.Join(d, "cpu.stat"), []byte("usage_usec 1500000\nuser_usec 1000000\nnr_throttled 3\n"), 0o644)
+	testutil.WriteFile(t, filepath.Join(d, "memory.current"), []byte("1234\n"), 0o644)
 	if oom, err := g.OOMKilled(); err != nil || !oom {
 		t.Errorf("OOMKilled = %v, %v", oom, err)
 	}
@@ -298,8 +301,8 @@ func TestV2NotDelegable(t *testing.T) {
 	f := newFake(t, nil, "memory pids", "/user.slice")
 	m := f.manager(t)
 	own := filepath.Join(f.mounts["unified"], "user.slice")
-	os.Remove(filepath.Join(own, "cgroup.subtree_control")) // stands for EBUSY
-	os.Mkdir(filepath.Join(own, "cgroup.subtree_control"), 0o755)
+	testutil.Remove(t, filepath.Join(own, "cgroup.subtree_control")) // stands for EBUSY
+	testutil.Mkdir(t, filepath.Join(own, "cgroup.subtree_control"), 0o755)
 	if _, err := m.Create("x", Limits{MemoryMiB: 64}); !errdefs.IsFailedPrecondition(err) {
 		t.Fatalf("create: %v", err)
 	}
@@ -313,12 +316,12 @@ func TestNestedMountRoot(t *testing.T) {
 	// /process_api down: our path /process_api/abc lives at <mount>/abc.
 	dir := t.TempDir()
 	mnt := filepath.Join(dir, "memory")
-	os.MkdirAll(filepath.Join(mnt, "abc"), 0o755)
+	testutil.MkdirAll(t, filepath.Join(mnt, "abc"), 0o755)
 	mi := filepath.Join(dir, "mountinfo")
-	os.WriteFile(mi, []byte("35 31 0:32 /process_api "+mnt+" rw - cgroup cgroup rw,memory\n"+
+	testutil.WriteFile(t, mi, []byte("35 31 0:32 /process_api "+mnt+" rw - cgroup cgroup rw,memory\n"+
 		"36 31 0:33 /elsewhere "+filepath.Join(dir, "pids")+" rw - cgroup cgroup rw,pids\n"), 0o644)
 	self := filepath.Join(dir, "cgroup")
-	os.WriteFile(self, []byte("4:memory:/process_api/abc\n8:pids:/process_api/abc\n"), 0o644)
+	testutil.WriteFile(t, self, []byte("4:memory:/process_api/abc\n8:pids:/process_api/abc\n"), 0o644)
 	m, err := New(Options{MountInfo: mi, SelfCgroup: self, Parent: "fk"})
 	if err != nil {
 		t.Fatal(err)
@@ -369,7 +372,10 @@ func TestCreateErrors(t *testing.T) {
 			if err := inner(dir); err != nil {
 				return err
 			}
-			os.Remove(filepath.Join(dir, "pids.max"))
+			// Only the pids hierarchy has the file.
+			if err := os.Remove(filepath.Join(dir, "pids.max")); err != nil && !errors.Is(err, fs.ErrNotExist) {
+				t.Fatal(err)
+			}
 			return nil
 		}
 	}(m.mkdir)
@@ -392,9 +398,9 @@ func TestOOMKilledV1(t *testing.T) {
 	if oom, err := g.OOMKilled(); err != nil || oom {
 		t.Fatalf("fresh group OOMKilled = %v, %v", oom, err)
 	}
-	os.WriteFile(filepath.Join(d, "memory.oom_control"), []byte("oom_kill_disable 0\nunder_oom 0\noom_kill 2\n"), 0o644)
-	os.WriteFile(filepath.Join(d, "memory.failcnt"), []byte("188\n"), 0o644)
-	os.WriteFile(filepath.Join(filepath.Join(f.mounts["cpuacct"], "process_api/4ea8/forkd/o"), "cpuacct.usage"), []byte("2000000000\n"), 0o644)
+	testutil.WriteFile(t, filepath.Join(d, "memory.oom_control"), []byte("oom_kill_disable 0\nunder_oom 0\noom_kill 2\n"), 0o644)
+	testutil.WriteFile(t, filepath.Join(d, "memory.failcnt"), []byte("188\n"), 0o644)
+	testutil.WriteFile(t, filepath.Join(filepath.Join(f.mounts["cpuacct"], "process_api/4ea8/forkd/o"), "cpuacct.usage"), []byte("2000000000\n"), 0o644)
 	if oom, err := g.OOMKilled(); err != nil || !oom {
 		t.Fatalf("OOMKilled = %v, %v", oom, err)
 	}
@@ -403,7 +409,7 @@ func TestOOMKilledV1(t *testing.T) {
 		t.Fatalf("stats %+v", s)
 	}
 	// Old kernels have no oom_kill counter: under_oom stands in.
-	os.WriteFile(filepath.Join(d, "memory.oom_control"), []byte("oom_kill_disable 0\nunder_oom 1\n"), 0o644)
+	testutil.WriteFile(t, filepath.Join(d, "memory.oom_control"), []byte("oom_kill_disable 0\nunder_oom 1\n"), 0o644)
 	if oom, _ := g.OOMKilled(); !oom {
 		t.Fatal("under_oom not reported")
 	}

@@ -11,6 +11,8 @@ import (
 	"testing"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/forkd/forkd/internal/testutil"
 )
 
 // fakeHost is a host made of files and stubs.
@@ -47,7 +49,7 @@ func newFakeHost(t *testing.T) *fakeHost {
 	cg := filepath.Join(root, "cgroup")
 	var mi strings.Builder
 	for i, c := range []string{"cpu", "cpuacct", "memory", "pids", "blkio"} {
-		os.MkdirAll(filepath.Join(cg, c, "process_api/x"), 0o755)
+		testutil.MkdirAll(t, filepath.Join(cg, c, "process_api/x"), 0o755)
 		fmt.Fprintf(&mi, "%d 31 0:%d / %s rw - cgroup cgroup rw,%s\n", 40+i, 40+i, filepath.Join(cg, c), c)
 	}
 	write(t, filepath.Join(cg, "unified", "cgroup.controllers"), "hugetlb\n")
@@ -62,7 +64,7 @@ func newFakeHost(t *testing.T) *fakeHost {
 	write(t, filepath.Join(h.sys, "kernel/mm/transparent_hugepage/enabled"), "always madvise [never]\n")
 	write(t, filepath.Join(h.dev, "kvm"), "")
 	write(t, filepath.Join(h.dev, "net/tun"), "")
-	os.Chmod(filepath.Join(h.dev, "net/tun"), 0o600)
+	testutil.Chmod(t, filepath.Join(h.dev, "net/tun"), 0o600)
 	return h
 }
 
@@ -195,7 +197,7 @@ func TestKVMHostWithoutQEMU(t *testing.T) {
 
 func TestNothingWorks(t *testing.T) {
 	h := newFakeHost(t)
-	os.Remove(filepath.Join(h.dev, "kvm"))
+	testutil.Remove(t, filepath.Join(h.dev, "kvm"))
 	h.bins = map[string]string{"firecracker": "Firecracker v1.10.0\n"}
 	h.apt = nil
 	opts := h.options(t)

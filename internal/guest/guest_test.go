@@ -1,13 +1,14 @@
 package guest
 
 import (
-	"os"
 	"path/filepath"
 	"reflect"
 	"strings"
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/forkd/forkd/internal/testutil"
 )
 
 func TestParseCmdline(t *testing.T) {
@@ -24,9 +25,9 @@ func TestParseCmdline(t *testing.T) {
 func TestLoadBootConfig(t *testing.T) {
 	dir := t.TempDir()
 	fakePy := filepath.Join(dir, "python3")
-	os.WriteFile(fakePy, []byte("#!/bin/sh\n"), 0o755)
+	testutil.WriteFile(t, fakePy, []byte("#!/bin/sh\n"), 0o755)
 	cfgPath := filepath.Join(dir, "agent.json")
-	os.WriteFile(cfgPath, []byte(`{"python": "`+fakePy+`", "preload": ["numpy"], "env": ["A=1"], "eval_grace_ms": 500}`), 0o644)
+	testutil.WriteFile(t, cfgPath, []byte(`{"python": "`+fakePy+`", "preload": ["numpy"], "env": ["A=1"], "eval_grace_ms": 500}`), 0o644)
 
 	bc, err := loadBootConfig(map[string]string{}, cfgPath)
 	if err != nil {
@@ -61,7 +62,7 @@ func TestLoadBootConfig(t *testing.T) {
 		t.Fatalf("missing python: %q, %v", bc.agent.Python, err)
 	}
 	// A broken file is reported; defaults remain.
-	os.WriteFile(cfgPath, []byte(`{`), 0o644)
+	testutil.WriteFile(t, cfgPath, []byte(`{`), 0o644)
 	if _, err := loadBootConfig(nil, cfgPath); err == nil {
 		t.Fatal("broken agent.json accepted silently")
 	}
@@ -100,9 +101,9 @@ func TestRing(t *testing.T) {
 
 func TestLookupUser(t *testing.T) {
 	root := t.TempDir()
-	os.MkdirAll(root+"/etc", 0o755)
-	os.WriteFile(root+"/etc/passwd", []byte("root:x:0:0:root:/root:/bin/sh\nalice:x:1000:1000::/home/alice:/bin/bash\nbroken\n"), 0o644)
-	os.WriteFile(root+"/etc/group", []byte("alice:x:1000:\nwheel:x:10:alice,bob\nother:x:11:bob\n"), 0o644)
+	testutil.MkdirAll(t, root+"/etc", 0o755)
+	testutil.WriteFile(t, root+"/etc/passwd", []byte("root:x:0:0:root:/root:/bin/sh\nalice:x:1000:1000::/home/alice:/bin/bash\nbroken\n"), 0o644)
+	testutil.WriteFile(t, root+"/etc/group", []byte("alice:x:1000:\nwheel:x:10:alice,bob\nother:x:11:bob\n"), 0o644)
 	a, err := lookupUser(root, "alice")
 	if err != nil || a.uid != 1000 || a.gid != 1000 || a.home != "/home/alice" || !reflect.DeepEqual(a.groups, []uint32{10}) {
 		t.Fatalf("alice: %+v, %v", a, err)

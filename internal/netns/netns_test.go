@@ -2,12 +2,12 @@ package netns
 
 import (
 	"net/netip"
-	"os"
 	"path/filepath"
 	"slices"
 	"testing"
 
 	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/testutil"
 )
 
 // --- unit tests (anyone)
@@ -98,7 +98,7 @@ func TestAllocRecyclesLate(t *testing.T) {
 	}
 	// A slot whose namespace exists on the host is skipped.
 	m.Release(3)
-	os.WriteFile(filepath.Join(m.opts.NetNSDir, "forkd-3"), nil, 0o644)
+	testutil.WriteFile(t, filepath.Join(m.opts.NetNSDir, "forkd-3"), nil, 0o644)
 	if _, err := m.Alloc(); !errdefs.IsResourceExhausted(err) {
 		t.Fatalf("alloc skipped nothing: %v", err)
 	}

@@ -67,7 +67,7 @@ func newOutsideHost(t *testing.T, name string, addr netip.Addr, body string) *ou
 	ipcmd(t, "-n", h.ns, "link", "set", "lo", "up")
 	ipcmd(t, "-n", h.ns, "route", "add", "default", "via", gw)
 	www := t.TempDir()
-	os.WriteFile(filepath.Join(www, "index.html"), []byte(body), 0o644)
+	testutil.WriteFile(t, filepath.Join(www, "index.html"), []byte(body), 0o644)
 	srv := exec.Command("ip", "netns", "exec", h.ns, "busybox", "httpd", "-f", "-p", "80", "-h", www)
 	if err := srv.Start(); err != nil {
 		t.Fatal(err)

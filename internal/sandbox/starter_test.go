@@ -13,6 +13,7 @@ import (
 	"github.com/forkd/forkd/internal/proc"
 	"github.com/forkd/forkd/internal/snapshot"
 	"github.com/forkd/forkd/internal/state"
+	"github.com/forkd/forkd/internal/testutil"
 	"github.com/forkd/forkd/internal/vmm"
 )
 
@@ -131,7 +132,7 @@ func TestUnknownIDsLeaveNoDialLock(t *testing.T) {
 func TestStaleReclaimReleasesNothing(t *testing.T) {
 	e := fakeEngine(t)
 	dir := filepath.Join(e.runDir, "sb-deadaaaaaa")
-	os.MkdirAll(dir, 0o700)
+	testutil.MkdirAll(t, dir, 0o700)
 	sb := &state.Sandbox{ID: "sb-deadaaaaaa", Status: state.StatusDead, Handle: vmm.Handle{Backend: "fake", RunDir: dir}}
 	if err := e.state.Put(sb); err != nil {
 		t.Fatal(err)
@@ -141,7 +142,7 @@ func TestStaleReclaimReleasesNothing(t *testing.T) {
 		t.Fatal(err)
 	}
 	// Something new where the dead sandbox's resources were.
-	os.MkdirAll(dir, 0o700)
+	testutil.MkdirAll(t, dir, 0o700)
 	NewExpirer(e).reclaim(&stale)
 	if _, err := os.Stat(dir); err != nil {
 		t.Fatalf("stale reclaim released what is no longer the dead sandbox's: %v", err)

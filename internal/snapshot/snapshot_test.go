@@ -9,6 +9,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/testutil"
 )
 
 func TestValidateTag(t *testing.T) {
@@ -102,8 +103,8 @@ func TestConcurrentCommitSameTag(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, w := range []*Writer{w1, w2} {
-		os.WriteFile(w.MemoryPath(), nil, 0o600)
-		os.WriteFile(w.StatePath(), nil, 0o600)
+		testutil.WriteFile(t, w.MemoryPath(), nil, 0o600)
+		testutil.WriteFile(t, w.StatePath(), nil, 0o600)
 	}
 	if _, err := w1.Commit(Metadata{}); err != nil {
 		t.Fatal(err)
@@ -182,9 +183,9 @@ func TestCorruptTagsListedAndRemovable(t *testing.T) {
 	writeSnapshot(t, s, "good")
 	mk := func(tag string, files map[string]string) {
 		dir := filepath.Join(s.Root(), tag)
-		os.Mkdir(dir, 0o700)
+		testutil.Mkdir(t, dir, 0o700)
 		for name, data := range files {
-			os.WriteFile(filepath.Join(dir, name), []byte(data), 0o600)
+			testutil.WriteFile(t, filepath.Join(dir, name), []byte(data), 0o600)
 		}
 	}
 	mk("nometa", map[string]string{LockFile: "", MemoryFile: "m"})
@@ -192,7 +193,7 @@ func TestCorruptTagsListedAndRemovable(t *testing.T) {
 	mk("nolock", map[string]string{MetadataFile: "{"})
 	mk("future", map[string]string{MetadataFile: `{"format_version": 99, "tag": "future", "status": "ready"}`, LockFile: ""})
 	mk("wrongtag", map[string]string{MetadataFile: `{"format_version": 1, "tag": "other", "status": "ready"}`, LockFile: ""})
-	os.WriteFile(filepath.Join(s.Root(), "afile"), []byte("x"), 0o600)
+	testutil.WriteFile(t, filepath.Join(s.Root(), "afile"), []byte("x"), 0o600)
 
 	list, err := s.List()
 	if err != nil {

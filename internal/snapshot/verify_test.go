@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/testutil"
 )
 
 // writeRootfsSnapshot commits tag over the rootfs image at rootfs.
@@ -18,8 +19,8 @@ func writeRootfsSnapshot(t *testing.T, s *Store, tag, rootfs string) *Snapshot {
 	if err != nil {
 		t.Fatal(err)
 	}
-	os.WriteFile(w.MemoryPath(), []byte("memory of "+tag), 0o600)
-	os.WriteFile(w.StatePath(), []byte("state of "+tag), 0o600)
+	testutil.WriteFile(t, w.MemoryPath(), []byte("memory of "+tag), 0o600)
+	testutil.WriteFile(t, w.StatePath(), []byte("state of "+tag), 0o600)
 	snap, err := w.Commit(Metadata{Rootfs: FileRef{Path: rootfs, SHA256: "x"}})
 	if err != nil {
 		t.Fatal(err)
@@ -65,7 +66,7 @@ func TestAcquireRefusesReplacedRootfs(t *testing.T) {
 	// The image cache rebuilds an entry at the same path: same size, new
 	// inode.
 	tmp := rootfs + ".new"
-	os.WriteFile(tmp, []byte("filesystem two"), 0o600)
+	testutil.WriteFile(t, tmp, []byte("filesystem two"), 0o600)
 	if err := os.Rename(tmp, rootfs); err != nil {
 		t.Fatal(err)
 	}
@@ -79,7 +80,7 @@ func TestAcquireRefusesReplacedRootfs(t *testing.T) {
 	cur, _ := Identify(rootfs)
 	snap.Rootfs.ID = cur
 	setMetadata(t, snap)
-	os.WriteFile(rootfs, []byte("filesystem two, longer"), 0o600)
+	testutil.WriteFile(t, rootfs, []byte("filesystem two, longer"), 0o600)
 	_, _, err = s.Acquire("base")
 	wantPrecondition(t, "Acquire after rootfs rewritten", err, "root filesystem image changed", "size")
 
@@ -88,11 +89,11 @@ func TestAcquireRefusesReplacedRootfs(t *testing.T) {
 	snap.Rootfs.ID = cur
 	setMetadata(t, snap)
 	later := time.Unix(0, cur.MtimeNS).Add(time.Second)
-	os.Chtimes(rootfs, later, later)
+	testutil.Chtimes(t, rootfs, later, later)
 	_, _, err = s.Acquire("base")
 	wantPrecondition(t, "Acquire after rootfs touched", err, "root filesystem image changed", "modified")
 
-	os.Remove(rootfs)
+	testutil.Remove(t, rootfs)
 	_, _, err = s.Acquire("base")
 	wantPrecondition(t, "Acquire without rootfs", err, "root filesystem image", "gone")
 }
@@ -100,12 +101,12 @@ func TestAcquireRefusesReplacedRootfs(t *testing.T) {
 func TestAcquireRefusesMissingOrResizedFiles(t *testing.T) {
 	s, _ := Open(t.TempDir())
 	snap := writeSnapshot(t, s, "base")
-	os.Remove(snap.StatePath())
+	testutil.Remove(t, snap.StatePath())
 	_, _, err := s.Acquire("base")
 	wantPrecondition(t, "Acquire without state", err, `"base"`, "state file", "missing", "rebuild")
 
 	snap = writeSnapshot(t, s, "other")
-	os.WriteFile(snap.MemoryPath(), []byte("short"), 0o600)
+	testutil.WriteFile(t, snap.MemoryPath(), []byte("short"), 0o600)
 	_, _, err = s.Acquire("other")
 	wantPrecondition(t, "Acquire with truncated memory", err, "memory file", "5 bytes")
 }
@@ -122,7 +123,7 @@ func setMetadata(t *testing.T, snap *Snapshot) {
 func TestAcquireAcceptsOldMetadata(t *testing.T) {
 	s, _ := Open(t.TempDir())
 	rootfs := filepath.Join(t.TempDir(), "rootfs.ext4")
-	os.WriteFile(rootfs, []byte("filesystem one"), 0o600)
+	testutil.WriteFile(t, rootfs, []byte("filesystem one"), 0o600)
 	snap := writeRootfsSnapshot(t, s, "base", rootfs)
 	// Metadata as an older forkd wrote it: no identity, no sizes.
 	b, _ := os.ReadFile(filepath.Join(snap.Dir, MetadataFile))
@@ -132,11 +133,11 @@ func TestAcquireAcceptsOldMetadata(t *testing.T) {
 	delete(raw, "state_bytes")
 	delete(raw["rootfs"].(map[string]any), "id")
 	b, _ = json.Marshal(raw)
-	os.WriteFile(filepath.Join(snap.Dir, MetadataFile), b, 0o600)
+	testutil.WriteFile(t, filepath.Join(snap.Dir, MetadataFile), b, 0o600)
 
-	os.Remove(rootfs)
-	os.WriteFile(rootfs, []byte("filesystem two, longer"), 0o600)
-	os.WriteFile(snap.MemoryPath(), []byte("m"), 0o600)
+	testutil.Remove(t, rootfs)
+	testutil.WriteFile(t, rootfs, []byte("filesystem two, longer"), 0o600)
+	testutil.WriteFile(t, snap.MemoryPath(), []byte("m"), 0o600)
 	_, ref, err := s.Acquire("base")
 	if err != nil {
 		t.Fatalf("Acquire of old metadata = %v", err)
@@ -147,16 +148,16 @@ func TestAcquireAcceptsOldMetadata(t *testing.T) {
 func TestCommitRefusesRootfsReplacedDuringBuild(t *testing.T) {
 	s, _ := Open(t.TempDir())
 	rootfs := filepath.Join(t.TempDir(), "rootfs.ext4")
-	os.WriteFile(rootfs, []byte("filesystem one"), 0o600)
+	testutil.WriteFile(t, rootfs, []byte("filesystem one"), 0o600)
 	booted, err := Identify(rootfs)
 	if err != nil {
 		t.Fatal(err)
 	}
 	w, _ := s.Create("base")
-	os.WriteFile(w.MemoryPath(), []byte("m"), 0o600)
-	os.WriteFile(w.StatePath(), []byte("s"), 0o600)
-	os.Remove(rootfs)
-	os.WriteFile(rootfs, []byte("filesystem two"), 0o600)
+	testutil.WriteFile(t, w.MemoryPath(), []byte("m"), 0o600)
+	testutil.WriteFile(t, w.StatePath(), []byte("s"), 0o600)
+	testutil.Remove(t, rootfs)
+	testutil.WriteFile(t, rootfs, []byte("filesystem two"), 0o600)
 	_, err = w.Commit(Metadata{Rootfs: FileRef{Path: rootfs, ID: booted}})
 	wantPrecondition(t, "Commit after rootfs replaced", err, "changed while the snapshot was made")
 	if _, err := os.Stat(w.Dir()); !os.IsNotExist(err) {

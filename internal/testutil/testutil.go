@@ -57,3 +57,12 @@ func RequireCommand(t testing.TB, names ...string) string {
 // LookPath finds a host command the way forkd itself does (deb.LookPath:
 // PATH, then /usr/sbin and /sbin, which a non-root PATH often lacks).
 func LookPath(name string) (string, error) { return deb.LookPath(name) }
+
+// Check fails t at once when err, the result of a test's setup step (a
+// fixture put in a store, a file put in a tree), is not nil.
+func Check(t testing.TB, err error) {
+	t.Helper()
+	if err != nil {
+		t.Fatal(err)
+	}
+}

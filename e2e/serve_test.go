@@ -370,7 +370,7 @@ func TestServeAcceptance(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	st.Delete(orphan.ID)
+	testutil.Check(t, st.Delete(orphan.ID))
 	stray := filepath.Join(c.data, "run", "sb-straystray")
 	testutil.MkdirAll(t, stray, 0o700)
 	d.start()

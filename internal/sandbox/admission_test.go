@@ -8,6 +8,7 @@ import (
 
 	"github.com/forkd/forkd/internal/errdefs"
 	"github.com/forkd/forkd/internal/state"
+	"github.com/forkd/forkd/internal/testutil"
 	"github.com/forkd/forkd/internal/vmm"
 )
 
@@ -45,9 +46,9 @@ func TestAdmissionIsExact(t *testing.T) {
 	e := fakeEngine(t)
 	// Of these records the two starting ones count; the running one whose
 	// VMM is gone does not.
-	e.state.Put(&state.Sandbox{ID: "sb-aaaaaaaaaa", Status: state.StatusStarting})
-	e.state.Put(&state.Sandbox{ID: "sb-bbbbbbbbbb", Status: state.StatusRunning})
-	e.state.Put(&state.Sandbox{ID: "sb-cccccccccc", Status: state.StatusStarting})
+	testutil.Check(t, e.state.Put(&state.Sandbox{ID: "sb-aaaaaaaaaa", Status: state.StatusStarting}))
+	testutil.Check(t, e.state.Put(&state.Sandbox{ID: "sb-bbbbbbbbbb", Status: state.StatusRunning}))
+	testutil.Check(t, e.state.Put(&state.Sandbox{ID: "sb-cccccccccc", Status: state.StatusStarting}))
 	a := NewAdmitter(e, Admission{MaxSandboxes: 20, MaxPending: 100})
 	var mu sync.Mutex
 	var ok, refused int
@@ -97,7 +98,7 @@ func TestExpirerKillsDueRecords(t *testing.T) {
 	e := fakeEngine(t)
 	x := NewExpirer(e)
 	for _, id := range []string{"sb-aaaaaaaaaa", "sb-bbbbbbbbbb"} {
-		e.state.Put(&state.Sandbox{ID: id, Status: state.StatusDead})
+		testutil.Check(t, e.state.Put(&state.Sandbox{ID: id, Status: state.StatusDead}))
 	}
 	if _, err := x.SetTimeout(context.Background(), "sb-aaaaaaaaaa", time.Second); err != nil {
 		t.Fatal(err)

@@ -31,6 +31,16 @@ func TestValidateTag(t *testing.T) {
 	}
 }
 
+// openStore opens a store in a fresh directory.
+func openStore(t *testing.T) *Store {
+	t.Helper()
+	s, err := Open(t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
+
 func writeSnapshot(t *testing.T, s *Store, tag string) *Snapshot {
 	t.Helper()
 	w, err := s.Create(tag)
@@ -93,7 +103,7 @@ func TestCreateCommitGetList(t *testing.T) {
 }
 
 func TestConcurrentCommitSameTag(t *testing.T) {
-	s, _ := Open(t.TempDir())
+	s := openStore(t)
 	w1, err := s.Create("t")
 	if err != nil {
 		t.Fatal(err)
@@ -118,7 +128,7 @@ func TestConcurrentCommitSameTag(t *testing.T) {
 }
 
 func TestRemoveRefusedWhileReferenced(t *testing.T) {
-	s, _ := Open(t.TempDir())
+	s := openStore(t)
 	writeSnapshot(t, s, "base")
 	_, ref, err := s.Acquire("base")
 	if err != nil {
@@ -148,7 +158,7 @@ func TestRemoveRefusedWhileReferenced(t *testing.T) {
 }
 
 func TestAbortAndReclaim(t *testing.T) {
-	s, _ := Open(t.TempDir())
+	s := openStore(t)
 	w, err := s.Create("x")
 	if err != nil {
 		t.Fatal(err)
@@ -168,7 +178,10 @@ func TestAbortAndReclaim(t *testing.T) {
 	if _, err := os.Stat(w.Dir()); !os.IsNotExist(err) {
 		t.Fatalf("stale staging dir kept: %v", err)
 	}
-	w2, _ := s.Create("y")
+	w2, err := s.Create("y")
+	if err != nil {
+		t.Fatal(err)
+	}
 	w2.Abort()
 	if _, err := os.Stat(w2.Dir()); !os.IsNotExist(err) {
 		t.Fatal("Abort left the staging dir")
@@ -179,7 +192,7 @@ func TestAbortAndReclaim(t *testing.T) {
 }
 
 func TestCorruptTagsListedAndRemovable(t *testing.T) {
-	s, _ := Open(t.TempDir())
+	s := openStore(t)
 	writeSnapshot(t, s, "good")
 	mk := func(tag string, files map[string]string) {
 		dir := filepath.Join(s.Root(), tag)

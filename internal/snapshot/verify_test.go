@@ -43,7 +43,7 @@ func wantPrecondition(t *testing.T, what string, err error, words ...string) {
 }
 
 func TestAcquireRefusesReplacedRootfs(t *testing.T) {
-	s, _ := Open(t.TempDir())
+	s := openStore(t)
 	rootfs := filepath.Join(t.TempDir(), "rootfs.ext4")
 	if err := os.WriteFile(rootfs, []byte("filesystem one"), 0o600); err != nil {
 		t.Fatal(err)
@@ -99,7 +99,7 @@ func TestAcquireRefusesReplacedRootfs(t *testing.T) {
 }
 
 func TestAcquireRefusesMissingOrResizedFiles(t *testing.T) {
-	s, _ := Open(t.TempDir())
+	s := openStore(t)
 	snap := writeSnapshot(t, s, "base")
 	testutil.Remove(t, snap.StatePath())
 	_, _, err := s.Acquire("base")
@@ -121,14 +121,17 @@ func setMetadata(t *testing.T, snap *Snapshot) {
 }
 
 func TestAcquireAcceptsOldMetadata(t *testing.T) {
-	s, _ := Open(t.TempDir())
+	s := openStore(t)
 	rootfs := filepath.Join(t.TempDir(), "rootfs.ext4")
 	testutil.WriteFile(t, rootfs, []byte("filesystem one"), 0o600)
 	snap := writeRootfsSnapshot(t, s, "base", rootfs)
 	// Metadata as an older forkd wrote it: no identity, no sizes.
-	b, _ := os.ReadFile(filepath.Join(snap.Dir, MetadataFile))
+	b, err := os.ReadFile(filepath.Join(snap.Dir, MetadataFile))
+	if err != nil {
+		t.Fatal(err)
+	}
 	var raw map[string]any
-	json.Unmarshal(b, &raw)
+	testutil.Check(t, json.Unmarshal(b, &raw))
 	delete(raw, "memory_bytes")
 	delete(raw, "state_bytes")
 	delete(raw["rootfs"].(map[string]any), "id")
@@ -146,14 +149,17 @@ func TestAcquireAcceptsOldMetadata(t *testing.T) {
 }
 
 func TestCommitRefusesRootfsReplacedDuringBuild(t *testing.T) {
-	s, _ := Open(t.TempDir())
+	s := openStore(t)
 	rootfs := filepath.Join(t.TempDir(), "rootfs.ext4")
 	testutil.WriteFile(t, rootfs, []byte("filesystem one"), 0o600)
 	booted, err := Identify(rootfs)
 	if err != nil {
 		t.Fatal(err)
 	}
-	w, _ := s.Create("base")
+	w, err := s.Create("base")
+	if err != nil {
+		t.Fatal(err)
+	}
 	testutil.WriteFile(t, w.MemoryPath(), []byte("m"), 0o600)
 	testutil.WriteFile(t, w.StatePath(), []byte("s"), 0o600)
 	testutil.Remove(t, rootfs)

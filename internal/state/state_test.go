@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/testutil"
 )
 
 func TestStoreModes(t *testing.T) {
@@ -90,8 +91,8 @@ func TestPutWithSlot(t *testing.T) {
 		t.Fatalf("fourth slot of three = %v", err)
 	}
 	// A freed slot is reused; records without a network hold none.
-	s.Delete("b")
-	s.Put(&Sandbox{ID: "plain"})
+	testutil.Check(t, s.Delete("b"))
+	testutil.Check(t, s.Put(&Sandbox{ID: "plain"}))
 	sb := &Sandbox{ID: "e"}
 	if err := s.PutWithSlot(sb, 3); err != nil || sb.Net.Slot != 1 {
 		t.Fatalf("reuse: slot %+v, %v", sb.Net, err)
@@ -103,9 +104,12 @@ func TestPutWithSlot(t *testing.T) {
 }
 
 func TestRename(t *testing.T) {
-	s, _ := Open(filepath.Join(t.TempDir(), "state.db"), Options{})
-	s.Put(&Sandbox{ID: "old", Status: StatusParked})
-	s.Put(&Sandbox{ID: "taken"})
+	s, err := Open(filepath.Join(t.TempDir(), "state.db"), Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	testutil.Check(t, s.Put(&Sandbox{ID: "old", Status: StatusParked}))
+	testutil.Check(t, s.Put(&Sandbox{ID: "taken"}))
 	if err := s.Rename("old", &Sandbox{ID: "taken"}); !errdefs.IsAlreadyExists(err) {
 		t.Fatalf("rename onto an existing id = %v", err)
 	}

@@ -108,9 +108,9 @@ func TestTreeConfined(t *testing.T) {
 
 func TestSwapFile(t *testing.T) {
 	tr, root, _ := newTree(t)
-	tr.MkdirAll("etc", 0o755)
-	tr.WriteFile("etc/file", []byte("orig"), 0o640)
-	tr.Symlink("../run/resolv.conf", "etc/link")
+	testutil.Check(t, tr.MkdirAll("etc", 0o755))
+	testutil.Check(t, tr.WriteFile("etc/file", []byte("orig"), 0o640))
+	testutil.Check(t, tr.Symlink("../run/resolv.conf", "etc/link"))
 	var restores []func() error
 	for _, name := range []string{"etc/file", "etc/link", "etc/absent", "usr/sbin/new"} {
 		r, err := swapFile(tr, name, []byte("temporary"), 0o755)
@@ -148,10 +148,10 @@ func TestOSReleaseAndPython(t *testing.T) {
 	if m, err := OSRelease(tr); err != nil || len(m) != 0 {
 		t.Errorf("no os-release: %v %v", m, err)
 	}
-	tr.MkdirAll("usr/lib", 0o755)
-	tr.MkdirAll("etc", 0o755)
-	tr.WriteFile("usr/lib/os-release", []byte("# c\nID=ubuntu\nID_LIKE=debian\nVERSION_CODENAME=noble\nNAME=\"Ubuntu \\\"x\\\"\"\nPRETTY='single'\n"), 0o644)
-	tr.Symlink("../usr/lib/os-release", "etc/os-release")
+	testutil.Check(t, tr.MkdirAll("usr/lib", 0o755))
+	testutil.Check(t, tr.MkdirAll("etc", 0o755))
+	testutil.Check(t, tr.WriteFile("usr/lib/os-release", []byte("# c\nID=ubuntu\nID_LIKE=debian\nVERSION_CODENAME=noble\nNAME=\"Ubuntu \\\"x\\\"\"\nPRETTY='single'\n"), 0o644))
+	testutil.Check(t, tr.Symlink("../usr/lib/os-release", "etc/os-release"))
 	m, err := OSRelease(tr)
 	if err != nil || m["ID"] != "ubuntu" || m["NAME"] != `Ubuntu "x"` || m["PRETTY"] != "single" || !IsDebianLike(m) {
 		t.Errorf("os-release %v, %v", m, err)
@@ -162,14 +162,14 @@ func TestOSReleaseAndPython(t *testing.T) {
 	if p := FindPython(tr); p != "" {
 		t.Errorf("python %q in an empty tree", p)
 	}
-	tr.MkdirAll("usr/bin", 0o755)
-	tr.WriteFile("usr/bin/python3.11", []byte("elf"), 0o755)
-	tr.Symlink("python3.11", "usr/bin/python3")
+	testutil.Check(t, tr.MkdirAll("usr/bin", 0o755))
+	testutil.Check(t, tr.WriteFile("usr/bin/python3.11", []byte("elf"), 0o755))
+	testutil.Check(t, tr.Symlink("python3.11", "usr/bin/python3"))
 	if p := FindPython(tr); p != "/usr/bin/python3" {
 		t.Errorf("python %q", p)
 	}
-	tr.MkdirAll("usr/local/bin", 0o755)
-	tr.WriteFile("usr/local/bin/python3", []byte("not executable"), 0o644)
+	testutil.Check(t, tr.MkdirAll("usr/local/bin", 0o755))
+	testutil.Check(t, tr.WriteFile("usr/local/bin/python3", []byte("not executable"), 0o644))
 	if p := FindPython(tr); p != "/usr/bin/python3" {
 		t.Errorf("python %q with a non-executable /usr/local/bin/python3", p)
 	}

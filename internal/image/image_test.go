@@ -88,15 +88,19 @@ func newBuilder(t *testing.T, cache string) *Builder {
 
 func TestValidateName(t *testing.T) {
 	for _, ok := range []string{"a", "minimal", "python", "my-image_1.2", "A9", strings.Repeat("x", 63)} {
-		if err := ValidateName(ok); err != nil {
-			t.Errorf("ValidateName(%q): %v", ok, err)
-		}
+		t.Run(ok, func(t *testing.T) {
+			if err := ValidateName(ok); err != nil {
+				t.Errorf("ValidateName(%q): %v", ok, err)
+			}
+		})
 	}
 	for _, bad := range []string{"", "../x", "..", ".", "/etc", "a/b", "-x", ".hidden", "_x", "a..b", "x..",
 		"a b", "a\x00", "ä", strings.Repeat("x", 64), strings.Repeat("y", 200), "a\n"} {
-		if err := ValidateName(bad); !errdefs.IsInvalidArgument(err) {
-			t.Errorf("ValidateName(%q) = %v, want InvalidArgument", bad, err)
-		}
+		t.Run("bad "+bad, func(t *testing.T) {
+			if err := ValidateName(bad); !errdefs.IsInvalidArgument(err) {
+				t.Errorf("ValidateName(%q) = %v, want InvalidArgument", bad, err)
+			}
+		})
 	}
 }
 
@@ -278,9 +282,11 @@ func TestEnsureDir(t *testing.T) {
 
 	// Keys are single safe path components.
 	for _, key := range []string{"../x", "a/b", "", ".hidden", "x..y"} {
-		if _, err := b.ensureDir(ctx, "thing", key, ok, nil); !errdefs.IsInvalidArgument(err) {
-			t.Errorf("key %q: %v", key, err)
-		}
+		t.Run("key "+key, func(t *testing.T) {
+			if _, err := b.ensureDir(ctx, "thing", key, ok, nil); !errdefs.IsInvalidArgument(err) {
+				t.Errorf("key %q: %v", key, err)
+			}
+		})
 	}
 
 	// Waiting for a lock gives up when the context ends.

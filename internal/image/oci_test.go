@@ -179,30 +179,32 @@ func TestFromOCI(t *testing.T) {
 		"layout":   layoutDir,
 	}
 	for _, kind := range []string{"registry", "tarball", "archive", "layout"} {
-		tag := "bb-" + kind
-		start := time.Now()
-		got, err := b.FromOCI(ctx, sources[kind], OCIOptions{Tag: tag, Preload: []string{"json"}})
-		if err != nil {
-			t.Fatalf("%s: %v", kind, err)
-		}
-		t.Logf("import from %s: %s", kind, time.Since(start).Round(time.Millisecond))
-		if got.Name != tag || got.Python != "/usr/bin/python3" || got.Rootfs == "" || !slices.Equal(got.Preload, []string{"json"}) {
-			t.Errorf("%s: image %+v", kind, got)
-		}
-		want := []string{"forkd.root=/dev/vda", "forkd.rootfstype=ext4", "forkd.python=/usr/bin/python3", "forkd.preload=json"}
-		if !slices.Equal(got.Cmdline, want) {
-			t.Errorf("%s: cmdline %v", kind, got.Cmdline)
-		}
-		checkSHA(t, got.Rootfs, got.RootfsSHA256)
-		checkBusyboxRootfs(t, got.Rootfs)
-		if out := debugfs(t, got.Rootfs, "cat /source"); !strings.Contains(out, kind) {
-			t.Errorf("%s: /source is %q", kind, out)
-		}
-		// Build finds the imported image by its tag.
-		again, err := b.Build(ctx, tag)
-		if err != nil || !reflect.DeepEqual(again, got) {
-			t.Errorf("%s: Build(%s) = %+v, %v; want %+v", kind, tag, again, err, got)
-		}
+		t.Run(kind, func(t *testing.T) {
+			tag := "bb-" + kind
+			start := time.Now()
+			got, err := b.FromOCI(ctx, sources[kind], OCIOptions{Tag: tag, Preload: []string{"json"}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Logf("import from %s: %s", kind, time.Since(start).Round(time.Millisecond))
+			if got.Name != tag || got.Python != "/usr/bin/python3" || got.Rootfs == "" || !slices.Equal(got.Preload, []string{"json"}) {
+				t.Errorf("image %+v", got)
+			}
+			want := []string{"forkd.root=/dev/vda", "forkd.rootfstype=ext4", "forkd.python=/usr/bin/python3", "forkd.preload=json"}
+			if !slices.Equal(got.Cmdline, want) {
+				t.Errorf("cmdline %v", got.Cmdline)
+			}
+			checkSHA(t, got.Rootfs, got.RootfsSHA256)
+			checkBusyboxRootfs(t, got.Rootfs)
+			if out := debugfs(t, got.Rootfs, "cat /source"); !strings.Contains(out, kind) {
+				t.Errorf("/source is %q", out)
+			}
+			// Build finds the imported image by its tag.
+			again, err := b.Build(ctx, tag)
+			if err != nil || !reflect.DeepEqual(again, got) {
+				t.Errorf("Build(%s) = %+v, %v; want %+v", tag, again, err, got)
+			}
+		})
 	}
 	// The same layout again ("oci:" form, another tag): same digest, so the
 	// root filesystem is the cached one.
@@ -316,21 +318,23 @@ func TestFromOCIErrors(t *testing.T) {
 		{"tampered layer", tamperedDir, OCIOptions{Tag: "e13"}, errdefs.IsInvalidArgument},
 		{"extra on non-Debian", ocitest.Layout(t, busyboxImage(t)), OCIOptions{Tag: "e12", Extra: []string{"file"}}, errdefs.IsFailedPrecondition},
 	} {
-		_, err := b.FromOCI(ctx, c.ref, c.opts)
-		if !c.is(err) {
-			t.Errorf("%s: got %v (class %s)", c.name, err, errdefs.Code(err))
-		} else {
-			t.Logf("%s: %v", c.name, err)
-		}
-		if _, err := os.Stat("/tmp/forkd-evil"); err == nil {
-			os.Remove("/tmp/forkd-evil")
-			t.Errorf("%s: a layer wrote outside its root", c.name)
-		}
-		if after := snapshotCache(t, cache); !slices.Equal(after, before) {
-			t.Errorf("%s: cache changed:\nbefore %v\nafter  %v", c.name, before, after)
-		}
-		assertNoLeftovers(t, cache)
-		assertNoMounts(t, cache)
+		t.Run(c.name, func(t *testing.T) {
+			_, err := b.FromOCI(ctx, c.ref, c.opts)
+			if !c.is(err) {
+				t.Errorf("got %v (class %s)", err, errdefs.Code(err))
+			} else {
+				t.Log(err)
+			}
+			if _, err := os.Stat("/tmp/forkd-evil"); err == nil {
+				os.Remove("/tmp/forkd-evil")
+				t.Error("a layer wrote outside its root")
+			}
+			if after := snapshotCache(t, cache); !slices.Equal(after, before) {
+				t.Errorf("cache changed:\nbefore %v\nafter  %v", before, after)
+			}
+			assertNoLeftovers(t, cache)
+			assertNoMounts(t, cache)
+		})
 	}
 	if _, err := os.Stat("/etc/forkd-evil"); err == nil {
 		t.Error("a layer wrote /etc/forkd-evil on the host")

@@ -35,14 +35,23 @@ func TestValidateOCIOptions(t *testing.T) {
 		{inside, OCIOptions{Tag: "t", Preload: []string{"__import__('os')"}}, errdefs.IsInvalidArgument, "preload module"},
 		{strings.Repeat("a", MaxRefLen+1), OCIOptions{Tag: "t"}, errdefs.IsInvalidArgument, "limit"},
 	} {
-		if err := ValidateOCIOptions(c.ref, c.o); !c.is(err) || !strings.Contains(err.Error(), c.want) {
-			t.Errorf("%.40s %+v: %v, want %q", c.ref, c.o, err, c.want)
-		}
+		t.Run(c.want, func(t *testing.T) {
+			if err := ValidateOCIOptions(c.ref, c.o); !c.is(err) || !strings.Contains(err.Error(), c.want) {
+				t.Errorf("%.40s %+v: %v, want %q", c.ref, c.o, err, c.want)
+			}
+		})
 	}
-	for _, ref := range []string{inside, "img.tar", "docker-archive:img.tar", "busybox:1.36"} {
-		if err := ValidateOCIOptions(ref, OCIOptions{Tag: "t", Extra: []string{"python3"}, Preload: []string{"numpy"}, ImportDir: imports}); err != nil {
-			t.Errorf("%s: %v", ref, err)
-		}
+	for _, c := range []struct{ name, ref string }{
+		{"absolute", inside},
+		{"relative", "img.tar"},
+		{"docker-archive", "docker-archive:img.tar"},
+		{"registry", "busybox:1.36"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			if err := ValidateOCIOptions(c.ref, OCIOptions{Tag: "t", Extra: []string{"python3"}, Preload: []string{"numpy"}, ImportDir: imports}); err != nil {
+				t.Errorf("%s: %v", c.ref, err)
+			}
+		})
 	}
 	// Without an import dir (the local CLI) any path goes.
 	if err := ValidateOCIOptions(outside, OCIOptions{Tag: "t"}); err != nil {

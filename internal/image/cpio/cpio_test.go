@@ -113,10 +113,12 @@ func TestWriterRefuses(t *testing.T) {
 		{Name: "file-with-link", Mode: TypeReg, Linkname: "x"},
 		{Name: "huge", Mode: TypeReg, Size: 1 << 33},
 	} {
-		w := NewWriter(io.Discard)
-		if err := w.WriteHeader(&h); err == nil {
-			t.Errorf("WriteHeader(%q) accepted", h.Name)
-		}
+		t.Run(h.Name, func(t *testing.T) {
+			w := NewWriter(io.Discard)
+			if err := w.WriteHeader(&h); err == nil {
+				t.Errorf("WriteHeader(%q) accepted", h.Name)
+			}
+		})
 	}
 	w := NewWriter(io.Discard)
 	if err := w.WriteHeader(&Header{Name: "f", Mode: TypeReg, Size: 2}); err != nil {
@@ -137,16 +139,18 @@ func TestReaderMalformed(t *testing.T) {
 		"truncated": good[:200],
 		"bad hex":   append(append([]byte("070701"), []byte("zzzzzzzz")...), good[14:]...),
 	} {
-		r := NewReader(bytes.NewReader(b))
-		var err error
-		for err == nil {
-			if _, err = r.Next(); err == nil {
-				_, err = io.ReadAll(r)
+		t.Run(name, func(t *testing.T) {
+			r := NewReader(bytes.NewReader(b))
+			var err error
+			for err == nil {
+				if _, err = r.Next(); err == nil {
+					_, err = io.ReadAll(r)
+				}
 			}
-		}
-		if !errors.Is(err, ErrFormat) {
-			t.Errorf("%s: got %v, want ErrFormat", name, err)
-		}
+			if !errors.Is(err, ErrFormat) {
+				t.Errorf("got %v, want ErrFormat", err)
+			}
+		})
 	}
 }
 

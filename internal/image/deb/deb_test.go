@@ -31,23 +31,29 @@ func TestKey(t *testing.T) {
 		{"linux-image-6.1.0-56-cloud-amd64", "6.1.192-2", "linux-image-6.1.0-56-cloud-amd64_6.1.192-2"},
 		{"x", "1/../../2", "x_1_.._.._2"},
 	} {
-		p, want := Package{Name: c.name, Version: c.version}, c.want
-		if got := p.Key(); got != want {
-			t.Errorf("%+v.Key() = %q, want %q", p, got, want)
-		}
+		t.Run(c.name, func(t *testing.T) {
+			p, want := Package{Name: c.name, Version: c.version}, c.want
+			if got := p.Key(); got != want {
+				t.Errorf("%+v.Key() = %q, want %q", p, got, want)
+			}
+		})
 	}
 }
 
 func TestValidName(t *testing.T) {
 	for _, ok := range []string{"file", "python3-numpy", "g++", "libc6.1"} {
-		if !ValidName(ok) {
-			t.Errorf("%q refused", ok)
-		}
+		t.Run(ok, func(t *testing.T) {
+			if !ValidName(ok) {
+				t.Errorf("%q refused", ok)
+			}
+		})
 	}
 	for _, bad := range []string{"", "-o", "--allow-unauthenticated", "a", "Upper", "x y", "x;rm", "../x"} {
-		if ValidName(bad) {
-			t.Errorf("%q accepted", bad)
-		}
+		t.Run("bad "+bad, func(t *testing.T) {
+			if ValidName(bad) {
+				t.Errorf("%q accepted", bad)
+			}
+		})
 	}
 }
 

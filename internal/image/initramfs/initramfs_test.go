@@ -165,10 +165,12 @@ func TestRefuses(t *testing.T) {
 		"missing agent": {Agent: filepath.Join(dir, "nope")},
 		"dir as agent":  {Agent: dir},
 	} {
-		err := Write(io.Discard, s)
-		if !errdefs.IsInvalidArgument(err) && !errdefs.IsNotFound(err) {
-			t.Errorf("%s: %v", name, err)
-		}
+		t.Run(name, func(t *testing.T) {
+			err := Write(io.Discard, s)
+			if !errdefs.IsInvalidArgument(err) && !errdefs.IsNotFound(err) {
+				t.Errorf("got %v, want InvalidArgument or NotFound", err)
+			}
+		})
 	}
 }
 
@@ -177,9 +179,11 @@ func TestAppletPath(t *testing.T) {
 		"bin/sh": "bin/sh", "usr/bin/env": "bin/env", "sbin/ip": "sbin/ip", "usr/sbin/chroot": "sbin/chroot",
 		"ls": "bin/ls", "/bin/cat": "bin/cat", "etc/x": "", "bin/busybox": "", "bin/..": "",
 	} {
-		got, ok := appletPath(in)
-		if got != want || ok != (want != "") {
-			t.Errorf("appletPath(%q) = %q, %v; want %q", in, got, ok, want)
-		}
+		t.Run(in, func(t *testing.T) {
+			got, ok := appletPath(in)
+			if got != want || ok != (want != "") {
+				t.Errorf("appletPath(%q) = %q, %v; want %q", in, got, ok, want)
+			}
+		})
 	}
 }

@@ -135,14 +135,16 @@ func names(ms []Module) []string {
 
 func TestModinfoCompressed(t *testing.T) {
 	for _, suffix := range []string{".ko", ".ko.zst", ".ko.xz", ".ko.gz"} {
-		tree := writeTree(t, map[string]string{"drivers/virtio-rng" + suffix: "virtio,virtio_ring"})
-		info, err := ReadModinfo(tree.Files["virtio_rng"])
-		if err != nil {
-			t.Fatalf("%s: %v", suffix, err)
-		}
-		if info["depends"] != "virtio,virtio_ring" || info["name"] != "virtio_rng" || info["alias"] != "a\nb" {
-			t.Errorf("%s: modinfo %v", suffix, info)
-		}
+		t.Run(suffix, func(t *testing.T) {
+			tree := writeTree(t, map[string]string{"drivers/virtio-rng" + suffix: "virtio,virtio_ring"})
+			info, err := ReadModinfo(tree.Files["virtio_rng"])
+			if err != nil {
+				t.Fatal(err)
+			}
+			if info["depends"] != "virtio,virtio_ring" || info["name"] != "virtio_rng" || info["alias"] != "a\nb" {
+				t.Errorf("modinfo %v", info)
+			}
+		})
 	}
 	p := filepath.Join(t.TempDir(), "bad.ko")
 	testutil.WriteFile(t, p, []byte("not an elf"), 0o644)

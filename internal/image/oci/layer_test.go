@@ -286,10 +286,12 @@ func TestMalformedLayer(t *testing.T) {
 		"garbage":   []byte(strings.Repeat("not a tar archive ", 64)),
 		"truncated": good[:1200],
 	} {
-		tr, _, _ := newTree(t)
-		if err := apply(t, tr, b); !errdefs.IsInvalidArgument(err) {
-			t.Errorf("%s: %v, want InvalidArgument", name, err)
-		}
+		t.Run(name, func(t *testing.T) {
+			tr, _, _ := newTree(t)
+			if err := apply(t, tr, b); !errdefs.IsInvalidArgument(err) {
+				t.Errorf("%v, want InvalidArgument", err)
+			}
+		})
 	}
 }
 

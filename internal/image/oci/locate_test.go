@@ -32,50 +32,53 @@ func TestLocateConfinesToRoot(t *testing.T) {
 	testutil.Symlink(t, root, rootLink)
 
 	for _, c := range []struct {
+		name      string
 		ref, root string
 		kind      Kind
 		path      string // want, for success
 		is        func(error) bool
 		want      string
 	}{
-		{ref: "img.tar", root: root, kind: KindTarball, path: filepath.Join(root, "img.tar")},
-		{ref: filepath.Join(root, "img.tar"), root: root, kind: KindTarball, path: filepath.Join(root, "img.tar")},
-		{ref: "docker-archive:img.tar", root: root, kind: KindTarball, path: filepath.Join(root, "img.tar")},
-		{ref: "oci:layout", root: root, kind: KindLayout, path: filepath.Join(root, "layout")},
-		{ref: "layout", root: root, kind: KindLayout, path: filepath.Join(root, "layout")},
-		{ref: "img.tar", root: rootLink, kind: KindTarball, path: filepath.Join(root, "img.tar")},
-		{ref: "ubuntu:24.04", root: root, kind: KindRegistry, path: "ubuntu:24.04"},
+		{name: "tarball", ref: "img.tar", root: root, kind: KindTarball, path: filepath.Join(root, "img.tar")},
+		{name: "tarball absolute", ref: filepath.Join(root, "img.tar"), root: root, kind: KindTarball, path: filepath.Join(root, "img.tar")},
+		{name: "docker-archive", ref: "docker-archive:img.tar", root: root, kind: KindTarball, path: filepath.Join(root, "img.tar")},
+		{name: "oci layout", ref: "oci:layout", root: root, kind: KindLayout, path: filepath.Join(root, "layout")},
+		{name: "layout dir", ref: "layout", root: root, kind: KindLayout, path: filepath.Join(root, "layout")},
+		{name: "root via symlink", ref: "img.tar", root: rootLink, kind: KindTarball, path: filepath.Join(root, "img.tar")},
+		{name: "registry", ref: "ubuntu:24.04", root: root, kind: KindRegistry, path: "ubuntu:24.04"},
 		// A relative name that exists in the working directory (this test
 		// file) but not in root is never looked up there.
-		{ref: "locate_test.go", root: root, kind: KindRegistry, path: "locate_test.go"},
-		{ref: "localhost:5000/a/b@sha256:" + strings.Repeat("a", 64), root: root, kind: KindRegistry},
-		{ref: filepath.Join(outside, "img.tar"), root: root, is: errdefs.IsInvalidArgument, want: "outside the import directory"},
-		{ref: "/etc/passwd", root: root, is: errdefs.IsInvalidArgument, want: "outside"},
-		{ref: "/nonexistent/x.tar", root: root, is: errdefs.IsInvalidArgument, want: "outside"},
-		{ref: "../secret/img.tar", root: root, is: errdefs.IsInvalidArgument, want: "outside"},
-		{ref: "oci:" + filepath.Join(outside, "layout"), root: root, is: errdefs.IsInvalidArgument, want: "outside"},
-		{ref: "docker-archive:/etc/shadow", root: root, is: errdefs.IsInvalidArgument, want: "outside"},
-		{ref: "oci:../secret/layout", root: root, is: errdefs.IsInvalidArgument, want: "outside"},
-		{ref: "link.tar", root: root, is: errdefs.IsInvalidArgument, want: "outside"},
-		{ref: "linkdir/layout", root: root, is: errdefs.IsInvalidArgument, want: "outside"},
-		{ref: "docker-archive:linkdir/img.tar", root: root, is: errdefs.IsInvalidArgument, want: "outside"},
-		{ref: "./missing.tar", root: root, is: errdefs.IsNotFound},
-		{ref: "UPPER/case::x", root: root, is: errdefs.IsInvalidArgument, want: "image reference"},
-		{ref: "", root: root, is: errdefs.IsInvalidArgument, want: "empty"},
+		{name: "cwd not looked up", ref: "locate_test.go", root: root, kind: KindRegistry, path: "locate_test.go"},
+		{name: "registry digest", ref: "localhost:5000/a/b@sha256:" + strings.Repeat("a", 64), root: root, kind: KindRegistry},
+		{name: "absolute outside", ref: filepath.Join(outside, "img.tar"), root: root, is: errdefs.IsInvalidArgument, want: "outside the import directory"},
+		{name: "etc passwd", ref: "/etc/passwd", root: root, is: errdefs.IsInvalidArgument, want: "outside"},
+		{name: "absolute missing", ref: "/nonexistent/x.tar", root: root, is: errdefs.IsInvalidArgument, want: "outside"},
+		{name: "dotdot", ref: "../secret/img.tar", root: root, is: errdefs.IsInvalidArgument, want: "outside"},
+		{name: "oci outside", ref: "oci:" + filepath.Join(outside, "layout"), root: root, is: errdefs.IsInvalidArgument, want: "outside"},
+		{name: "docker-archive outside", ref: "docker-archive:/etc/shadow", root: root, is: errdefs.IsInvalidArgument, want: "outside"},
+		{name: "oci dotdot", ref: "oci:../secret/layout", root: root, is: errdefs.IsInvalidArgument, want: "outside"},
+		{name: "symlink file", ref: "link.tar", root: root, is: errdefs.IsInvalidArgument, want: "outside"},
+		{name: "symlink dir", ref: "linkdir/layout", root: root, is: errdefs.IsInvalidArgument, want: "outside"},
+		{name: "docker-archive symlink dir", ref: "docker-archive:linkdir/img.tar", root: root, is: errdefs.IsInvalidArgument, want: "outside"},
+		{name: "missing", ref: "./missing.tar", root: root, is: errdefs.IsNotFound},
+		{name: "bad reference", ref: "UPPER/case::x", root: root, is: errdefs.IsInvalidArgument, want: "image reference"},
+		{name: "empty", ref: "", root: root, is: errdefs.IsInvalidArgument, want: "empty"},
 		// Without a root any path goes (the local CLI).
-		{ref: filepath.Join(outside, "img.tar"), kind: KindTarball, path: filepath.Join(outside, "img.tar")},
-		{ref: "oci:" + filepath.Join(outside, "layout"), kind: KindLayout, path: filepath.Join(outside, "layout")},
+		{name: "no root tarball", ref: filepath.Join(outside, "img.tar"), kind: KindTarball, path: filepath.Join(outside, "img.tar")},
+		{name: "no root layout", ref: "oci:" + filepath.Join(outside, "layout"), kind: KindLayout, path: filepath.Join(outside, "layout")},
 	} {
-		kind, path, err := Locate(c.ref, c.root)
-		if c.is != nil {
-			if !c.is(err) || !strings.Contains(err.Error(), c.want) {
-				t.Errorf("Locate(%q, %q) = %s %s, %v; want %q", c.ref, c.root, kind, path, err, c.want)
+		t.Run(c.name, func(t *testing.T) {
+			kind, path, err := Locate(c.ref, c.root)
+			if c.is != nil {
+				if !c.is(err) || !strings.Contains(err.Error(), c.want) {
+					t.Errorf("Locate(%q, %q) = %s %s, %v; want %q", c.ref, c.root, kind, path, err, c.want)
+				}
+				return
 			}
-			continue
-		}
-		if err != nil || kind != c.kind || c.path != "" && path != c.path {
-			t.Errorf("Locate(%q, %q) = %s %s, %v; want %s %s", c.ref, c.root, kind, path, err, c.kind, c.path)
-		}
+			if err != nil || kind != c.kind || c.path != "" && path != c.path {
+				t.Errorf("Locate(%q, %q) = %s %s, %v; want %s %s", c.ref, c.root, kind, path, err, c.kind, c.path)
+			}
+		})
 	}
 }
 
@@ -84,25 +87,27 @@ func TestLayoutSymlinksRefused(t *testing.T) {
 	m, _ := img.Manifest()
 	// Each case moves one part of a good layout outside (a sibling
 	// directory) and leaves a symlink to it in its place.
-	for _, part := range []string{
-		"index.json", "oci-layout", "blobs", "blobs/sha256",
-		"blobs/sha256/" + m.Config.Digest.Hex, "blobs/sha256/" + m.Layers[0].Digest.Hex,
+	for _, c := range []struct{ name, part string }{
+		{"index", "index.json"},
+		{"oci-layout", "oci-layout"},
+		{"blobs", "blobs"},
+		{"sha256", "blobs/sha256"},
+		{"config", "blobs/sha256/" + m.Config.Digest.Hex},
+		{"layer", "blobs/sha256/" + m.Layers[0].Digest.Hex},
 	} {
-		dir := ocitest.Layout(t, img)
-		if _, err := Open(context.Background(), "oci:"+dir, OpenOptions{Root: filepath.Dir(dir)}); err != nil {
-			t.Fatalf("%s: the untouched layout: %v", part, err)
-		}
-		outside := filepath.Join(t.TempDir(), "outside")
-		if err := os.Rename(filepath.Join(dir, part), outside); err != nil {
-			t.Fatal(err)
-		}
-		if err := os.Symlink(outside, filepath.Join(dir, part)); err != nil {
-			t.Fatal(err)
-		}
-		_, err := Open(context.Background(), "oci:"+dir, OpenOptions{Root: filepath.Dir(dir)})
-		if !errdefs.IsInvalidArgument(err) || !strings.Contains(err.Error(), "symlink") {
-			t.Errorf("%s a symlink: got %v, want it refused", part, err)
-		}
+		t.Run(c.name, func(t *testing.T) {
+			dir := ocitest.Layout(t, img)
+			if _, err := Open(context.Background(), "oci:"+dir, OpenOptions{Root: filepath.Dir(dir)}); err != nil {
+				t.Fatalf("the untouched layout: %v", err)
+			}
+			outside := filepath.Join(t.TempDir(), "outside")
+			testutil.Rename(t, filepath.Join(dir, c.part), outside)
+			testutil.Symlink(t, outside, filepath.Join(dir, c.part))
+			_, err := Open(context.Background(), "oci:"+dir, OpenOptions{Root: filepath.Dir(dir)})
+			if !errdefs.IsInvalidArgument(err) || !strings.Contains(err.Error(), "symlink") {
+				t.Errorf("%s a symlink: got %v, want it refused", c.part, err)
+			}
+		})
 	}
 }
 

@@ -175,20 +175,22 @@ func TestUnpackLimits(t *testing.T) {
 		{name: "entries", img: ocitest.Image(t, ocitest.Layer(t, layerTar(t, many...))), o: ApplyOptions{MaxEntries: 10}, want: "limit of 10 tar entries"},
 		{name: "layers", img: ocitest.Image(t, tooMany...), want: fmt.Sprintf("%d layers; the limit is %d", MaxLayers+1, MaxLayers)},
 	} {
-		tr, root, _ := newTree(t)
-		err := Unpack(context.Background(), c.img, tr, c.o, nil)
-		if c.passes {
-			if err != nil {
-				t.Errorf("%s: %v", c.name, err)
+		t.Run(c.name, func(t *testing.T) {
+			tr, root, _ := newTree(t)
+			err := Unpack(context.Background(), c.img, tr, c.o, nil)
+			if c.passes {
+				if err != nil {
+					t.Error(err)
+				}
+				return
 			}
-			continue
-		}
-		if !errdefs.IsInvalidArgument(err) || !strings.Contains(err.Error(), c.want) {
-			t.Errorf("%s: got %v, want %q", c.name, err, c.want)
-		}
-		if c.name == "layers" && len(listTree(t, root)) != 0 {
-			t.Errorf("layers: %v written before the layer count was checked", listTree(t, root))
-		}
+			if !errdefs.IsInvalidArgument(err) || !strings.Contains(err.Error(), c.want) {
+				t.Errorf("got %v, want %q", err, c.want)
+			}
+			if c.name == "layers" && len(listTree(t, root)) != 0 {
+				t.Errorf("%v written before the layer count was checked", listTree(t, root))
+			}
+		})
 	}
 }
 
@@ -201,25 +203,33 @@ func TestOpenBoundsMetadata(t *testing.T) {
 		want   string
 	}{
 		{"big index.json", func(dir string) error {
-			idx, _ := os.ReadFile(filepath.Join(dir, "index.json"))
+			idx, err := os.ReadFile(filepath.Join(dir, "index.json"))
+			if err != nil {
+				return err
+			}
 			return os.WriteFile(filepath.Join(dir, "index.json"), append(idx, bytes.Repeat([]byte(" "), MaxMetadata)...), 0o644)
 		}, "index.json is"},
 		{"big config", func(dir string) error {
 			return os.WriteFile(ocitest.Blob(dir, m.Config.Digest), bytes.Repeat([]byte(" "), MaxMetadata+1), 0o644)
 		}, "the limit is 8388608"},
 		{"tampered config", func(dir string) error {
-			cf, _ := img.RawConfigFile()
+			cf, err := img.RawConfigFile()
+			if err != nil {
+				return err
+			}
 			return os.WriteFile(ocitest.Blob(dir, m.Config.Digest), append(cf, ' '), 0o644)
 		}, "config " + m.Config.Digest.String() + " content does not match its digest"},
 	} {
-		dir := ocitest.Layout(t, img)
-		if err := c.tamper(dir); err != nil {
-			t.Fatal(err)
-		}
-		_, err := Open(context.Background(), "oci:"+dir, OpenOptions{})
-		if !errdefs.IsInvalidArgument(err) || !strings.Contains(err.Error(), c.want) {
-			t.Errorf("%s: got %v, want %q", c.name, err, c.want)
-		}
+		t.Run(c.name, func(t *testing.T) {
+			dir := ocitest.Layout(t, img)
+			if err := c.tamper(dir); err != nil {
+				t.Fatal(err)
+			}
+			_, err := Open(context.Background(), "oci:"+dir, OpenOptions{})
+			if !errdefs.IsInvalidArgument(err) || !strings.Contains(err.Error(), c.want) {
+				t.Errorf("got %v, want %q", err, c.want)
+			}
+		})
 	}
 
 	many := make([]v1.Layer, MaxLayers+1)

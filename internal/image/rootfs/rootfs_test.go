@@ -19,14 +19,18 @@ func TestClean(t *testing.T) {
 	for in, want := range map[string]string{
 		"etc/passwd": "etc/passwd", "./etc//x/": "etc/x", ".": ".", "./": ".", "a/./b": "a/b", "..a/b..": "..a/b..",
 	} {
-		if got, err := Clean(in); err != nil || got != want {
-			t.Errorf("Clean(%q) = %q, %v; want %q", in, got, err, want)
-		}
+		t.Run(in, func(t *testing.T) {
+			if got, err := Clean(in); err != nil || got != want {
+				t.Errorf("Clean(%q) = %q, %v; want %q", in, got, err, want)
+			}
+		})
 	}
 	for _, bad := range []string{"", "/etc", "..", "../x", "a/../b", "a/..", "a\x00b", "//x"} {
-		if _, err := Clean(bad); !errdefs.IsInvalidArgument(err) {
-			t.Errorf("Clean(%q): %v, want InvalidArgument", bad, err)
-		}
+		t.Run("bad "+bad, func(t *testing.T) {
+			if _, err := Clean(bad); !errdefs.IsInvalidArgument(err) {
+				t.Errorf("Clean(%q): %v, want InvalidArgument", bad, err)
+			}
+		})
 	}
 }
 
@@ -241,8 +245,10 @@ func TestDebootstrapPhase(t *testing.T) {
 		"W: Failure trying to run: x":            true,
 		"I: Base system installed successfully.": true,
 	} {
-		if got := debootstrapPhase(l); got != want {
-			t.Errorf("debootstrapPhase(%q) = %v", l, got)
-		}
+		t.Run(l, func(t *testing.T) {
+			if got := debootstrapPhase(l); got != want {
+				t.Errorf("debootstrapPhase(%q) = %v", l, got)
+			}
+		})
 	}
 }

@@ -347,14 +347,28 @@ func TestNoControllers(t *testing.T) {
 func TestCreateErrors(t *testing.T) {
 	m := thisHost(t).manager(t)
 	for _, name := range []string{"", ".", "..", "a/b", "a b", strings.Repeat("x", 200)} {
-		if _, err := m.Create(name, Limits{}); !errdefs.IsInvalidArgument(err) {
-			t.Errorf("name %q: %v", name, err)
-		}
+		t.Run("name "+name, func(t *testing.T) {
+			if _, err := m.Create(name, Limits{}); !errdefs.IsInvalidArgument(err) {
+				t.Errorf("name %q: %v", name, err)
+			}
+		})
 	}
-	for _, l := range []Limits{{MemoryMiB: -1}, {CPUs: -1}, {CPUs: 0.001}, {CPUWeight: 20000}, {PIDs: -5}, {IOWeight: 10001}} {
-		if _, err := m.Create("ok", l); !errdefs.IsInvalidArgument(err) {
-			t.Errorf("limits %+v: %v", l, err)
-		}
+	for _, c := range []struct {
+		name string
+		l    Limits
+	}{
+		{"memory", Limits{MemoryMiB: -1}},
+		{"cpus", Limits{CPUs: -1}},
+		{"cpus tiny", Limits{CPUs: 0.001}},
+		{"cpu weight", Limits{CPUWeight: 20000}},
+		{"pids", Limits{PIDs: -5}},
+		{"io weight", Limits{IOWeight: 10001}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			if _, err := m.Create("ok", c.l); !errdefs.IsInvalidArgument(err) {
+				t.Errorf("limits %+v: %v", c.l, err)
+			}
+		})
 	}
 	g, err := m.Create("dup", Limits{})
 	if err != nil {

@@ -1,6 +1,7 @@
 package netns
 
 import (
+	"fmt"
 	"net/netip"
 	"path/filepath"
 	"slices"
@@ -13,18 +14,23 @@ import (
 // --- unit tests (anyone)
 
 func TestNewValidates(t *testing.T) {
-	for _, o := range []Options{
-		{Prefix: "Forkd"},
-		{Prefix: "1abc"},
-		{Prefix: "averyveryverylongprefix"},
-		{Network: netip.MustParsePrefix("10.0.0.0/30")},
-		{Network: netip.MustParsePrefix("172.16.0.0/16")}, // holds the guest network
-		{Network: netip.MustParsePrefix("fd00::/64")},
-		{Ports: PortRange{First: 10, Last: 5}},
+	for _, c := range []struct {
+		name string
+		o    Options
+	}{
+		{"prefix upper", Options{Prefix: "Forkd"}},
+		{"prefix digit", Options{Prefix: "1abc"}},
+		{"prefix long", Options{Prefix: "averyveryverylongprefix"}},
+		{"network small", Options{Network: netip.MustParsePrefix("10.0.0.0/30")}},
+		{"network guest", Options{Network: netip.MustParsePrefix("172.16.0.0/16")}}, // holds the guest network
+		{"network ipv6", Options{Network: netip.MustParsePrefix("fd00::/64")}},
+		{"ports reversed", Options{Ports: PortRange{First: 10, Last: 5}}},
 	} {
-		if _, err := New(o); !errdefs.IsInvalidArgument(err) {
-			t.Errorf("New(%+v) = %v, want InvalidArgument", o, err)
-		}
+		t.Run(c.name, func(t *testing.T) {
+			if _, err := New(c.o); !errdefs.IsInvalidArgument(err) {
+				t.Errorf("New(%+v) = %v, want InvalidArgument", c.o, err)
+			}
+		})
 	}
 	m, err := New(Options{})
 	if err != nil {
@@ -44,25 +50,29 @@ func TestAddressing(t *testing.T) {
 		slot        int
 		host, child string
 	}{{0, "10.200.0.1", "10.200.0.2"}, {1, "10.200.0.5", "10.200.0.6"}, {16383, "10.200.255.253", "10.200.255.254"}} {
-		n := m.netFor(c.slot)
-		if n.HostAddr.String() != c.host || n.ChildAddr.String() != c.child {
-			t.Errorf("slot %d: host %s child %s, want %s %s", c.slot, n.HostAddr, n.ChildAddr, c.host, c.child)
-		}
-		if got := m.slotOf(n.ChildAddr); got != c.slot {
-			t.Errorf("slotOf(%s) = %d", n.ChildAddr, got)
-		}
-		if len(n.HostLink) > 15 {
-			t.Errorf("link name %q too long", n.HostLink)
-		}
+		t.Run(fmt.Sprint("slot ", c.slot), func(t *testing.T) {
+			n := m.netFor(c.slot)
+			if n.HostAddr.String() != c.host || n.ChildAddr.String() != c.child {
+				t.Errorf("host %s child %s, want %s %s", n.HostAddr, n.ChildAddr, c.host, c.child)
+			}
+			if got := m.slotOf(n.ChildAddr); got != c.slot {
+				t.Errorf("slotOf(%s) = %d", n.ChildAddr, got)
+			}
+			if len(n.HostLink) > 15 {
+				t.Errorf("link name %q too long", n.HostLink)
+			}
+		})
 	}
 	if m.slotOf(netip.MustParseAddr("10.200.0.1")) != -1 || m.slotOf(netip.MustParseAddr("10.201.0.2")) != -1 {
 		t.Error("slotOf accepts a host address or a foreign one")
 	}
 	for name, want := range map[string]int{"forkd-0": 0, "forkd-12": 12, "forkd-012": -1, "forkd-": -1,
 		"forkd-16384": -1, "forkdx-1": -1, "forkd-1a": -1} {
-		if got := m.parseSlot(name, "-"); got != want {
-			t.Errorf("parseSlot(%q) = %d, want %d", name, got, want)
-		}
+		t.Run(name, func(t *testing.T) {
+			if got := m.parseSlot(name, "-"); got != want {
+				t.Errorf("parseSlot(%q) = %d, want %d", name, got, want)
+			}
+		})
 	}
 }
 

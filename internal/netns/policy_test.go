@@ -10,37 +10,45 @@ import (
 )
 
 func TestPolicyValidate(t *testing.T) {
-	good := []Policy{
-		{Mode: ModeAllow},
-		{Mode: ModeDeny},
-		{Mode: ModeAllowlist, Allow: []Rule{{CIDR: netip.MustParsePrefix("1.2.3.4/24")}}},
-		{Mode: ModeAllow, Allow: []Rule{{CIDR: netip.MustParsePrefix("10.1.0.0/16"), Proto: "tcp", Ports: []PortRange{{443, 443}, {8000, 8100}}}}},
+	type policyCase struct {
+		name string
+		p    Policy
 	}
-	for _, p := range good {
-		v, err := p.Validate()
-		if err != nil {
-			t.Errorf("%+v: %v", p, err)
-		}
-		for _, r := range v.Allow {
-			if r.CIDR != r.CIDR.Masked() {
-				t.Errorf("not masked: %s", r.CIDR)
+	good := []policyCase{
+		{"allow", Policy{Mode: ModeAllow}},
+		{"deny", Policy{Mode: ModeDeny}},
+		{"allowlist", Policy{Mode: ModeAllowlist, Allow: []Rule{{CIDR: netip.MustParsePrefix("1.2.3.4/24")}}}},
+		{"allow with rules", Policy{Mode: ModeAllow, Allow: []Rule{{CIDR: netip.MustParsePrefix("10.1.0.0/16"), Proto: "tcp", Ports: []PortRange{{443, 443}, {8000, 8100}}}}}},
+	}
+	for _, c := range good {
+		t.Run(c.name, func(t *testing.T) {
+			v, err := c.p.Validate()
+			if err != nil {
+				t.Errorf("%+v: %v", c.p, err)
 			}
-		}
+			for _, r := range v.Allow {
+				if r.CIDR != r.CIDR.Masked() {
+					t.Errorf("not masked: %s", r.CIDR)
+				}
+			}
+		})
 	}
-	bad := []Policy{
-		{},
-		{Mode: "open"},
-		{Mode: ModeDeny, Allow: []Rule{{CIDR: netip.MustParsePrefix("1.2.3.4/32")}}},
-		{Mode: ModeAllowlist, Allow: []Rule{{CIDR: netip.MustParsePrefix("::1/128")}}},
-		{Mode: ModeAllowlist, Allow: []Rule{{}}},
-		{Mode: ModeAllowlist, Allow: []Rule{{CIDR: netip.MustParsePrefix("1.2.3.4/32"), Proto: "sctp"}}},
-		{Mode: ModeAllowlist, Allow: []Rule{{CIDR: netip.MustParsePrefix("1.2.3.4/32"), Proto: "icmp", Ports: []PortRange{{1, 1}}}}},
-		{Mode: ModeAllowlist, Allow: []Rule{{CIDR: netip.MustParsePrefix("1.2.3.4/32"), Ports: []PortRange{{0, 1}}}}},
+	bad := []policyCase{
+		{"empty", Policy{}},
+		{"unknown mode", Policy{Mode: "open"}},
+		{"deny with rules", Policy{Mode: ModeDeny, Allow: []Rule{{CIDR: netip.MustParsePrefix("1.2.3.4/32")}}}},
+		{"ipv6", Policy{Mode: ModeAllowlist, Allow: []Rule{{CIDR: netip.MustParsePrefix("::1/128")}}}},
+		{"no cidr", Policy{Mode: ModeAllowlist, Allow: []Rule{{}}}},
+		{"sctp", Policy{Mode: ModeAllowlist, Allow: []Rule{{CIDR: netip.MustParsePrefix("1.2.3.4/32"), Proto: "sctp"}}}},
+		{"icmp ports", Policy{Mode: ModeAllowlist, Allow: []Rule{{CIDR: netip.MustParsePrefix("1.2.3.4/32"), Proto: "icmp", Ports: []PortRange{{1, 1}}}}}},
+		{"port 0", Policy{Mode: ModeAllowlist, Allow: []Rule{{CIDR: netip.MustParsePrefix("1.2.3.4/32"), Ports: []PortRange{{0, 1}}}}}},
 	}
-	for _, p := range bad {
-		if _, err := p.Validate(); !errdefs.IsInvalidArgument(err) {
-			t.Errorf("%+v: %v, want InvalidArgument", p, err)
-		}
+	for _, c := range bad {
+		t.Run(c.name, func(t *testing.T) {
+			if _, err := c.p.Validate(); !errdefs.IsInvalidArgument(err) {
+				t.Errorf("%+v: %v, want InvalidArgument", c.p, err)
+			}
+		})
 	}
 }
 

@@ -35,23 +35,55 @@ func TestNetSpecDefaults(t *testing.T) {
 	if err := deny.validate(); err != nil || len(deny.Policy.Allow) != 0 {
 		t.Fatalf("deny gained rules: %+v %v", deny.Policy, err)
 	}
-	for _, bad := range []NetSpec{{Publish: []int{0}}, {Publish: []int{80, 80}}, {Policy: netns.Policy{Mode: "sometimes"}}} {
-		if err := bad.validate(); err == nil {
-			t.Errorf("%+v accepted", bad)
-		}
+	for _, c := range []struct {
+		name string
+		spec NetSpec
+	}{
+		{"publish 0", NetSpec{Publish: []int{0}}},
+		{"publish twice", NetSpec{Publish: []int{80, 80}}},
+		{"bad mode", NetSpec{Policy: netns.Policy{Mode: "sometimes"}}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			if err := c.spec.validate(); err == nil {
+				t.Errorf("%+v accepted", c.spec)
+			}
+		})
 	}
 }
 
 func TestValidateLimits(t *testing.T) {
-	for _, ok := range []*state.Limits{nil, {}, {CPUs: 0.01}, {CPUs: 1024}, {MemoryMiB: 128, PIDs: 64, IOWeight: 100}} {
-		if err := validateLimits(ok); err != nil {
-			t.Errorf("%+v refused: %v", ok, err)
-		}
+	type limitsCase struct {
+		name string
+		l    *state.Limits
 	}
-	for _, bad := range []*state.Limits{{CPUs: math.NaN()}, {CPUs: math.Inf(1)}, {CPUs: 0.005}, {CPUs: -1},
-		{MemoryMiB: -1}, {PIDs: -1}, {PIDs: 1}, {PIDs: MinPIDs - 1}, {IOWeight: 10001}} {
-		if err := validateLimits(bad); !errdefs.IsInvalidArgument(err) {
-			t.Errorf("%+v: %v, want invalid argument", bad, err)
-		}
+	for _, c := range []limitsCase{
+		{"nil", nil},
+		{"none", &state.Limits{}},
+		{"cpus min", &state.Limits{CPUs: 0.01}},
+		{"cpus max", &state.Limits{CPUs: 1024}},
+		{"all", &state.Limits{MemoryMiB: 128, PIDs: 64, IOWeight: 100}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			if err := validateLimits(c.l); err != nil {
+				t.Errorf("%+v refused: %v", c.l, err)
+			}
+		})
+	}
+	for _, c := range []limitsCase{
+		{"cpus nan", &state.Limits{CPUs: math.NaN()}},
+		{"cpus inf", &state.Limits{CPUs: math.Inf(1)}},
+		{"cpus tiny", &state.Limits{CPUs: 0.005}},
+		{"cpus negative", &state.Limits{CPUs: -1}},
+		{"memory negative", &state.Limits{MemoryMiB: -1}},
+		{"pids negative", &state.Limits{PIDs: -1}},
+		{"pids 1", &state.Limits{PIDs: 1}},
+		{"pids under min", &state.Limits{PIDs: MinPIDs - 1}},
+		{"io weight", &state.Limits{IOWeight: 10001}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			if err := validateLimits(c.l); !errdefs.IsInvalidArgument(err) {
+				t.Errorf("%+v: %v, want invalid argument", c.l, err)
+			}
+		})
 	}
 }

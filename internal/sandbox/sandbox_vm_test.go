@@ -3,6 +3,7 @@ package sandbox_test
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -156,25 +157,31 @@ func TestBadTagsRefused(t *testing.T) {
 	e := testvm.Engine(t)
 	ctx := ctxT(t, time.Minute)
 	for _, tag := range []string{"../x", "/etc", "a/b", "", strings.Repeat("x", 200), ".staging-x"} {
-		if _, err := e.CreateSnapshot(ctx, sandbox.SnapshotSpec{Tag: tag, Image: "minimal"}); !errdefs.IsInvalidArgument(err) {
-			t.Errorf("CreateSnapshot(%q) = %v", tag, err)
-		}
-		if _, err := e.Fork(ctx, sandbox.ForkSpec{Tag: tag, N: 1}); !errdefs.IsInvalidArgument(err) {
-			t.Errorf("Fork(%q) = %v", tag, err)
-		}
-		if err := e.RemoveSnapshot(tag); !errdefs.IsInvalidArgument(err) {
-			t.Errorf("RemoveSnapshot(%q) = %v", tag, err)
-		}
+		t.Run("tag "+tag, func(t *testing.T) {
+			if _, err := e.CreateSnapshot(ctx, sandbox.SnapshotSpec{Tag: tag, Image: "minimal"}); !errdefs.IsInvalidArgument(err) {
+				t.Errorf("CreateSnapshot(%q) = %v", tag, err)
+			}
+			if _, err := e.Fork(ctx, sandbox.ForkSpec{Tag: tag, N: 1}); !errdefs.IsInvalidArgument(err) {
+				t.Errorf("Fork(%q) = %v", tag, err)
+			}
+			if err := e.RemoveSnapshot(tag); !errdefs.IsInvalidArgument(err) {
+				t.Errorf("RemoveSnapshot(%q) = %v", tag, err)
+			}
+		})
 	}
 	for _, n := range []int{0, -1, 100000} {
-		if _, err := e.Fork(ctx, sandbox.ForkSpec{Tag: "x", N: n}); !errdefs.IsInvalidArgument(err) {
-			t.Errorf("Fork(n=%d) = %v", n, err)
-		}
+		t.Run(fmt.Sprint("n ", n), func(t *testing.T) {
+			if _, err := e.Fork(ctx, sandbox.ForkSpec{Tag: "x", N: n}); !errdefs.IsInvalidArgument(err) {
+				t.Errorf("Fork(n=%d) = %v", n, err)
+			}
+		})
 	}
 	for _, id := range []string{"../../etc", "sb-", "sb-ABCDEFGHIJ", "x"} {
-		if err := e.Kill(ctx, id); !errdefs.IsInvalidArgument(err) {
-			t.Errorf("Kill(%q) = %v", id, err)
-		}
+		t.Run("id "+id, func(t *testing.T) {
+			if err := e.Kill(ctx, id); !errdefs.IsInvalidArgument(err) {
+				t.Errorf("Kill(%q) = %v", id, err)
+			}
+		})
 	}
 	if _, err := e.Fork(ctx, sandbox.ForkSpec{Tag: "missing", N: 1}); !errdefs.IsNotFound(err) {
 		t.Errorf("Fork(missing) = %v", err)

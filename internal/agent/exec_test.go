@@ -232,10 +232,11 @@ func TestExecEnvDirAndErrors(t *testing.T) {
 		{"unknown user", agent.ExecRequest{Args: []string{"true"}, User: "no-such-user-forkd"}, errdefs.ErrNotFound},
 		{"not executable", agent.ExecRequest{Args: []string{dir}}, errdefs.ErrFailedPrecondition},
 	} {
-		_, err := c.Exec(ctx, tc.req)
-		if !errors.Is(err, tc.class) {
-			t.Errorf("%s: %v, want class %v", tc.name, err, tc.class)
-		}
+		t.Run(tc.name, func(t *testing.T) {
+			if _, err := c.Exec(ctx, tc.req); !errors.Is(err, tc.class) {
+				t.Errorf("%v, want class %v", err, tc.class)
+			}
+		})
 	}
 }
 

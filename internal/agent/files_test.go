@@ -174,9 +174,11 @@ func TestFileOperations(t *testing.T) {
 		{"rename missing", c.Rename(ctx, dir+"/nope", dir+"/nope2"), errdefs.ErrNotFound},
 		{"write over dir", second(c.WriteFile(ctx, dir+"/x", bytes.NewReader(nil), 0)), errdefs.ErrInvalidArgument},
 	} {
-		if !errors.Is(tc.err, tc.class) {
-			t.Errorf("%s: %v, want class %v", tc.name, tc.err, tc.class)
-		}
+		t.Run(tc.name, func(t *testing.T) {
+			if !errors.Is(tc.err, tc.class) {
+				t.Errorf("%v, want class %v", tc.err, tc.class)
+			}
+		})
 	}
 }
 

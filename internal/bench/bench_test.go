@@ -24,13 +24,15 @@ func TestRunRefusesBadOptions(t *testing.T) {
 		{func(o *Options) { o.ExecRuns = -30 }, "--exec-runs -30"},
 		{func(o *Options) { o.IdleFor = -time.Second }, "--idle -1s"},
 	} {
-		o := good
-		c.tune(&o)
-		// Run checks before it uses the engine: a nil engine is never
-		// reached.
-		_, err := Run(context.Background(), nil, o)
-		if !errdefs.IsInvalidArgument(err) || !strings.Contains(err.Error(), c.want) {
-			t.Errorf("%q: %v", c.want, err)
-		}
+		t.Run(c.want, func(t *testing.T) {
+			o := good
+			c.tune(&o)
+			// Run checks before it uses the engine: a nil engine is never
+			// reached.
+			_, err := Run(context.Background(), nil, o)
+			if !errdefs.IsInvalidArgument(err) || !strings.Contains(err.Error(), c.want) {
+				t.Errorf("%v, want InvalidArgument naming %q", err, c.want)
+			}
+		})
 	}
 }

@@ -69,13 +69,22 @@ func TestOuterClassWins(t *testing.T) {
 }
 
 func TestUnclassedIsInternal(t *testing.T) {
-	for _, err := range []error{errors.New("boom"), fmt.Errorf("ctx: %w", context.Canceled), nil} {
-		if Classed(err) {
-			t.Errorf("Classed(%v) = true", err)
-		}
-		if got := Code(err); got != CodeInternal {
-			t.Errorf("Code(%v) = %q, want %q", err, got, CodeInternal)
-		}
+	for _, c := range []struct {
+		name string
+		err  error
+	}{
+		{"plain", errors.New("boom")},
+		{"canceled", fmt.Errorf("ctx: %w", context.Canceled)},
+		{"nil", nil},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			if Classed(c.err) {
+				t.Errorf("Classed(%v) = true", c.err)
+			}
+			if got := Code(c.err); got != CodeInternal {
+				t.Errorf("Code(%v) = %q, want %q", c.err, got, CodeInternal)
+			}
+		})
 	}
 }
 

@@ -186,11 +186,19 @@ func TestParseNetConfig(t *testing.T) {
 	if _, ok, err := parseNetConfig(map[string]string{}); ok || err != nil {
 		t.Fatalf("no keys: %v %v", ok, err)
 	}
-	for _, bad := range []map[string]string{
-		{KeyIP: "172.16.0.2"}, {KeyIP: "::1/64"}, {KeyIP: "10.0.0.2/24", KeyGW: "x"}, {KeyIP: "10.0.0.2/24", KeyDNS: "a"},
+	for _, c := range []struct {
+		name string
+		keys map[string]string
+	}{
+		{"no prefix", map[string]string{KeyIP: "172.16.0.2"}},
+		{"ipv6", map[string]string{KeyIP: "::1/64"}},
+		{"bad gateway", map[string]string{KeyIP: "10.0.0.2/24", KeyGW: "x"}},
+		{"bad dns", map[string]string{KeyIP: "10.0.0.2/24", KeyDNS: "a"}},
 	} {
-		if _, _, err := parseNetConfig(bad); err == nil {
-			t.Errorf("parseNetConfig(%v) accepted", bad)
-		}
+		t.Run(c.name, func(t *testing.T) {
+			if _, _, err := parseNetConfig(c.keys); err == nil {
+				t.Errorf("parseNetConfig(%v) accepted", c.keys)
+			}
+		})
 	}
 }

@@ -71,8 +71,10 @@ func TestUnescape(t *testing.T) {
 		`\0`:            `\0`,
 		`\08a`:          `\08a`,
 	} {
-		if got := Unescape(in); got != want {
-			t.Errorf("Unescape(%q) = %q, want %q", in, got, want)
-		}
+		t.Run(in, func(t *testing.T) {
+			if got := Unescape(in); got != want {
+				t.Errorf("Unescape(%q) = %q, want %q", in, got, want)
+			}
+		})
 	}
 }

@@ -15,19 +15,23 @@ import (
 func TestValidateTag(t *testing.T) {
 	good := []string{"a", "base", "py-3.11_numpy", "A1", strings.Repeat("x", MaxTagLen)}
 	for _, tag := range good {
-		if err := ValidateTag(tag); err != nil {
-			t.Errorf("ValidateTag(%q) = %v, want nil", tag, err)
-		}
+		t.Run(tag, func(t *testing.T) {
+			if err := ValidateTag(tag); err != nil {
+				t.Errorf("ValidateTag(%q) = %v, want nil", tag, err)
+			}
+		})
 	}
 	bad := []string{"", "../x", "/etc", "a/b", "..", ".", ".hidden", "-x", "a b", "a\x00b", "tag\n",
 		strings.Repeat("x", 200), strings.Repeat("x", MaxTagLen+1), "ü"}
 	for _, tag := range bad {
-		err := ValidateTag(tag)
-		if err == nil {
-			t.Errorf("ValidateTag(%q) = nil, want error", tag)
-		} else if !errdefs.IsInvalidArgument(err) {
-			t.Errorf("ValidateTag(%q) = %v, want InvalidArgument", tag, err)
-		}
+		t.Run("bad "+tag, func(t *testing.T) {
+			err := ValidateTag(tag)
+			if err == nil {
+				t.Errorf("ValidateTag(%q) = nil, want error", tag)
+			} else if !errdefs.IsInvalidArgument(err) {
+				t.Errorf("ValidateTag(%q) = %v, want InvalidArgument", tag, err)
+			}
+		})
 	}
 }
 
@@ -90,15 +94,17 @@ func TestCreateCommitGetList(t *testing.T) {
 		t.Fatalf("Get(missing) = %v", err)
 	}
 	for _, tag := range []string{"../x", "/etc", "a/b", ""} {
-		if _, err := s.Get(tag); !errdefs.IsInvalidArgument(err) {
-			t.Errorf("Get(%q) = %v, want InvalidArgument", tag, err)
-		}
-		if _, err := s.Create(tag); !errdefs.IsInvalidArgument(err) {
-			t.Errorf("Create(%q) = %v, want InvalidArgument", tag, err)
-		}
-		if err := s.Remove(tag); !errdefs.IsInvalidArgument(err) {
-			t.Errorf("Remove(%q) = %v, want InvalidArgument", tag, err)
-		}
+		t.Run("bad "+tag, func(t *testing.T) {
+			if _, err := s.Get(tag); !errdefs.IsInvalidArgument(err) {
+				t.Errorf("Get(%q) = %v, want InvalidArgument", tag, err)
+			}
+			if _, err := s.Create(tag); !errdefs.IsInvalidArgument(err) {
+				t.Errorf("Create(%q) = %v, want InvalidArgument", tag, err)
+			}
+			if err := s.Remove(tag); !errdefs.IsInvalidArgument(err) {
+				t.Errorf("Remove(%q) = %v, want InvalidArgument", tag, err)
+			}
+		})
 	}
 }
 

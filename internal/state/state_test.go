@@ -10,50 +10,55 @@ import (
 )
 
 func TestStoreModes(t *testing.T) {
-	for _, persistent := range []bool{false, true} {
-		path := filepath.Join(t.TempDir(), "state.db")
-		s, err := Open(path, Options{Persistent: persistent})
-		if err != nil {
-			t.Fatal(err)
-		}
-		now := time.Now()
-		if err := s.PutAll([]*Sandbox{
-			{ID: "b", Snapshot: "base", Status: StatusRunning, Created: now},
-			{ID: "a", Snapshot: "base", Status: StatusRunning, Created: now.Add(-time.Second)},
-		}); err != nil {
-			t.Fatal(err)
-		}
-		list, err := s.List()
-		if err != nil || len(list) != 2 || list[0].ID != "a" {
-			t.Fatalf("List = %v, %v", list, err)
-		}
-		sb, err := s.Update("b", func(sb *Sandbox) error { sb.Status = StatusDead; return nil })
-		if err != nil || sb.Status != StatusDead {
-			t.Fatalf("Update = %+v, %v", sb, err)
-		}
-		got, err := s.Get("b")
-		if err != nil || got.Status != StatusDead {
-			t.Fatalf("Get = %+v, %v", got, err)
-		}
-		if _, err := s.Get("zz"); !errdefs.IsNotFound(err) {
-			t.Fatalf("Get(missing) = %v", err)
-		}
-		if _, err := s.Update("zz", func(*Sandbox) error { return nil }); !errdefs.IsNotFound(err) {
-			t.Fatalf("Update(missing) = %v", err)
-		}
-		if err := s.Delete("a"); err != nil {
-			t.Fatal(err)
-		}
-		s.Close()
-		// Records survive reopening.
-		s2, err := Open(path, Options{})
-		if err != nil {
-			t.Fatal(err)
-		}
-		list, _ = s2.List()
-		if len(list) != 1 || list[0].ID != "b" {
-			t.Fatalf("after reopen: %v", list)
-		}
+	for _, c := range []struct {
+		name       string
+		persistent bool
+	}{{"per transaction", false}, {"persistent", true}} {
+		t.Run(c.name, func(t *testing.T) {
+			path := filepath.Join(t.TempDir(), "state.db")
+			s, err := Open(path, Options{Persistent: c.persistent})
+			if err != nil {
+				t.Fatal(err)
+			}
+			now := time.Now()
+			if err := s.PutAll([]*Sandbox{
+				{ID: "b", Snapshot: "base", Status: StatusRunning, Created: now},
+				{ID: "a", Snapshot: "base", Status: StatusRunning, Created: now.Add(-time.Second)},
+			}); err != nil {
+				t.Fatal(err)
+			}
+			list, err := s.List()
+			if err != nil || len(list) != 2 || list[0].ID != "a" {
+				t.Fatalf("List = %v, %v", list, err)
+			}
+			sb, err := s.Update("b", func(sb *Sandbox) error { sb.Status = StatusDead; return nil })
+			if err != nil || sb.Status != StatusDead {
+				t.Fatalf("Update = %+v, %v", sb, err)
+			}
+			got, err := s.Get("b")
+			if err != nil || got.Status != StatusDead {
+				t.Fatalf("Get = %+v, %v", got, err)
+			}
+			if _, err := s.Get("zz"); !errdefs.IsNotFound(err) {
+				t.Fatalf("Get(missing) = %v", err)
+			}
+			if _, err := s.Update("zz", func(*Sandbox) error { return nil }); !errdefs.IsNotFound(err) {
+				t.Fatalf("Update(missing) = %v", err)
+			}
+			if err := s.Delete("a"); err != nil {
+				t.Fatal(err)
+			}
+			s.Close()
+			// Records survive reopening.
+			s2, err := Open(path, Options{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			list, err = s2.List()
+			if err != nil || len(list) != 1 || list[0].ID != "b" {
+				t.Fatalf("after reopen: %v, %v", list, err)
+			}
+		})
 	}
 }
 

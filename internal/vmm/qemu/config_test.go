@@ -52,11 +52,17 @@ func TestInstanceArgs(t *testing.T) {
 }
 
 func TestDecodeConfigRejects(t *testing.T) {
-	for _, bad := range []string{"{", `{"machine":"pc","memory_mib":256,"vcpus":1}`, `{"machine":"microvm","memory_mib":0,"vcpus":1}`,
-		`{"machine":"microvm","accel":"tcg","cpu":"qemu64","memory_mib":256,"vcpus":1,"argv":["-M","pc"]}`} {
-		if _, err := decodeConfig([]byte(bad)); err == nil {
-			t.Errorf("decodeConfig(%s) accepted", bad)
-		}
+	for _, c := range []struct{ name, config string }{
+		{"truncated", "{"},
+		{"machine pc", `{"machine":"pc","memory_mib":256,"vcpus":1}`},
+		{"no memory", `{"machine":"microvm","memory_mib":0,"vcpus":1}`},
+		{"argv", `{"machine":"microvm","accel":"tcg","cpu":"qemu64","memory_mib":256,"vcpus":1,"argv":["-M","pc"]}`},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			if _, err := decodeConfig([]byte(c.config)); err == nil {
+				t.Errorf("decodeConfig(%s) accepted", c.config)
+			}
+		})
 	}
 }
 

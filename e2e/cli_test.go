@@ -54,6 +54,14 @@ func newCLI(t *testing.T) *cli {
 	return c
 }
 
+// in returns a copy of c for the subtest t, whose failures (in run and ok)
+// are t's and not the parent's.
+func (c *cli) in(t *testing.T) *cli {
+	cc := *c
+	cc.t = t
+	return &cc
+}
+
 // run returns stdout, stderr and the exit code.
 func (c *cli) run(args ...string) (string, string, int) {
 	c.t.Helper()
@@ -117,7 +125,7 @@ func TestSnapshotForkExecKill(t *testing.T) {
 			ID, Snapshot, Status string
 		} `json:"sandboxes"`
 	}
-	json.Unmarshal([]byte(c.ok("ls", "--json")), &ls)
+	testutil.Check(t, json.Unmarshal([]byte(c.ok("ls", "--json")), &ls))
 	if len(ls.Sandboxes) != 3 || ls.Sandboxes[0].Status != "running" || ls.Sandboxes[0].Snapshot != "base" {
 		t.Fatalf("ls --json = %+v", ls)
 	}
@@ -129,7 +137,7 @@ func TestSnapshotForkExecKill(t *testing.T) {
 			Refcount int    `json:"refcount"`
 		} `json:"snapshots"`
 	}
-	json.Unmarshal([]byte(c.ok("images", "--json")), &images)
+	testutil.Check(t, json.Unmarshal([]byte(c.ok("images", "--json")), &images))
 	if len(images.Snapshots) != 1 || images.Snapshots[0].Refcount != 3 || images.Snapshots[0].Status != "ready" {
 		t.Fatalf("images --json = %+v", images)
 	}
@@ -155,28 +163,42 @@ func TestSnapshotForkExecKill(t *testing.T) {
 
 func TestBadInputExitCodes(t *testing.T) {
 	c := newCLI(t)
-	for _, tag := range []string{"../x", "/etc", "a/b", "", strings.Repeat("x", 200)} {
-		for _, args := range [][]string{
-			{"snapshot", "--tag", tag},
-			{"fork", "--tag", tag, "-n", "1"},
-			{"rmi", tag},
-		} {
-			_, errs, code := c.run(args...)
-			if code != 2 || !strings.Contains(errs, "tag") {
-				t.Errorf("forkd %q: exit %d, %q", args, code, errs)
-			}
-		}
-	}
-	for _, args := range [][]string{
-		{"fork", "--tag", "x", "-n", "0"},
-		{"kill"},
-		{"kill", "--all", "sb-aaaaaaaaaa"},
-		{"exec", "../../x", "--", "true"},
-		{"snapshot", "--tag", "x", "--mem-size-mib", "1"},
+	for _, tc := range []struct{ name, tag string }{
+		{"dotdot", "../x"},
+		{"absolute", "/etc"},
+		{"slash", "a/b"},
+		{"empty", ""},
+		{"long", strings.Repeat("x", 200)},
 	} {
-		if _, _, code := c.run(args...); code != 2 {
-			t.Errorf("forkd %q: exit %d, want 2", args, code)
-		}
+		t.Run("tag "+tc.name, func(t *testing.T) {
+			c := c.in(t)
+			for _, args := range [][]string{
+				{"snapshot", "--tag", tc.tag},
+				{"fork", "--tag", tc.tag, "-n", "1"},
+				{"rmi", tc.tag},
+			} {
+				_, errs, code := c.run(args...)
+				if code != 2 || !strings.Contains(errs, "tag") {
+					t.Errorf("forkd %q: exit %d, %q", args, code, errs)
+				}
+			}
+		})
+	}
+	for _, tc := range []struct {
+		name string
+		args []string
+	}{
+		{"fork n 0", []string{"fork", "--tag", "x", "-n", "0"}},
+		{"kill nothing", []string{"kill"}},
+		{"kill all and id", []string{"kill", "--all", "sb-aaaaaaaaaa"}},
+		{"exec bad id", []string{"exec", "../../x", "--", "true"}},
+		{"snapshot tiny memory", []string{"snapshot", "--tag", "x", "--mem-size-mib", "1"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			if _, _, code := c.in(t).run(tc.args...); code != 2 {
+				t.Errorf("forkd %q: exit %d, want 2", tc.args, code)
+			}
+		})
 	}
 	// Nothing was created.
 	entries, _ := os.ReadDir(filepath.Join(c.data, "snapshots"))
@@ -206,21 +228,27 @@ func TestQuickstartIdempotent(t *testing.T) {
 		t.Fatalf("minimal quickstart printed %q", out)
 	}
 	var ls struct{ Sandboxes []struct{ ID string } }
-	json.Unmarshal([]byte(c.ok("ls", "--json")), &ls)
+	testutil.Check(t, json.Unmarshal([]byte(c.ok("ls", "--json")), &ls))
 	if len(ls.Sandboxes) != 1 {
 		t.Fatalf("after three quickstarts: %d sandboxes, want the last one's 1", len(ls.Sandboxes))
 	}
 	// A tag made from another image (or a typo) is refused, never replaced.
-	for _, img := range []string{"python", "no-such-image", "../x"} {
-		_, errs, code := c.run("quickstart", "-n", "1", "--yes", "--image", img, "--tag", "qs-min")
-		if code == 0 || !strings.Contains(errs, "image") {
-			t.Fatalf("quickstart --image %s over a minimal snapshot: exit %d, %q", img, code, errs)
-		}
+	for _, tc := range []struct{ name, img string }{
+		{"other image", "python"},
+		{"missing image", "no-such-image"},
+		{"bad name", "../x"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, errs, code := c.in(t).run("quickstart", "-n", "1", "--yes", "--image", tc.img, "--tag", "qs-min")
+			if code == 0 || !strings.Contains(errs, "image") {
+				t.Fatalf("quickstart --image %s over a minimal snapshot: exit %d, %q", tc.img, code, errs)
+			}
+		})
 	}
 	if out := c.ok("images", "--json"); !strings.Contains(out, `"qs-min"`) {
 		t.Fatalf("snapshot qs-min lost to a refused quickstart: %s", out)
 	}
-	json.Unmarshal([]byte(c.ok("ls", "--json")), &ls)
+	testutil.Check(t, json.Unmarshal([]byte(c.ok("ls", "--json")), &ls))
 	if len(ls.Sandboxes) != 1 {
 		t.Fatalf("a refused quickstart changed the sandboxes: %d", len(ls.Sandboxes))
 	}
@@ -295,7 +323,7 @@ func TestCleanup(t *testing.T) {
 	var fork struct {
 		Children []struct{ ID string } `json:"children"`
 	}
-	json.Unmarshal([]byte(c.ok("fork", "--tag", "base", "-n", "2", "--json")), &fork)
+	testutil.Check(t, json.Unmarshal([]byte(c.ok("fork", "--tag", "base", "-n", "2", "--json")), &fork))
 	var ls struct {
 		Sandboxes []struct {
 			ID     string `json:"id"`
@@ -303,7 +331,7 @@ func TestCleanup(t *testing.T) {
 			Status string `json:"status"`
 		} `json:"sandboxes"`
 	}
-	json.Unmarshal([]byte(c.ok("ls", "--json")), &ls)
+	testutil.Check(t, json.Unmarshal([]byte(c.ok("ls", "--json")), &ls))
 	victim := ls.Sandboxes[0]
 	id, err := proc.Self(victim.PID)
 	if err != nil {
@@ -337,7 +365,7 @@ func TestCleanup(t *testing.T) {
 	if _, err := os.Stat(filepath.Join(c.data, "run", victim.ID)); !os.IsNotExist(err) {
 		t.Fatalf("dead sandbox's run dir left: %v", err)
 	}
-	json.Unmarshal([]byte(c.ok("ls", "--json")), &ls)
+	testutil.Check(t, json.Unmarshal([]byte(c.ok("ls", "--json")), &ls))
 	status := map[string]string{}
 	for _, sb := range ls.Sandboxes {
 		status[sb.ID] = sb.Status

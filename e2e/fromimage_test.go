@@ -94,16 +94,18 @@ func TestFromImage(t *testing.T) {
 	if err := tarball.WriteToFile(tarPath, tag, img); err != nil {
 		t.Fatal(err)
 	}
-	for i, src := range []string{ref, tarPath} {
-		snap := []string{"reg", "tar"}[i]
-		c.ok("from-image", src, "--tag", snap, "--insecure")
-		id := strings.Fields(c.ok("fork", "--tag", snap))[0]
-		if out := c.ok("exec", id, "--", "cat", "/etc/greeting"); out != "hello from the image\n" {
-			t.Fatalf("%s: greeting %q", snap, out)
-		}
-		if _, _, code := c.run("exec", id, "--", "cat", "/etc/motd"); code == 0 {
-			t.Fatalf("%s: whiteout ignored, /etc/motd present", snap)
-		}
+	for _, src := range []struct{ snap, ref string }{{"reg", ref}, {"tar", tarPath}} {
+		t.Run(src.snap, func(t *testing.T) {
+			c := c.in(t)
+			c.ok("from-image", src.ref, "--tag", src.snap, "--insecure")
+			id := strings.Fields(c.ok("fork", "--tag", src.snap))[0]
+			if out := c.ok("exec", id, "--", "cat", "/etc/greeting"); out != "hello from the image\n" {
+				t.Fatalf("greeting %q", out)
+			}
+			if _, _, code := c.run("exec", id, "--", "cat", "/etc/motd"); code == 0 {
+				t.Fatal("whiteout ignored, /etc/motd present")
+			}
+		})
 	}
 
 	entries := func() []string {
@@ -124,11 +126,18 @@ func TestFromImage(t *testing.T) {
 	}
 	junk := filepath.Join(t.TempDir(), "junk.tar")
 	testutil.WriteFile(t, junk, []byte("this is not an image"), 0o644)
-	for _, bad := range []string{evilTar, junk, addr + "/forkd/missing:1", "/nonexistent/image.tar"} {
-		_, errs, code := c.run("from-image", bad, "--tag", "bad", "--insecure")
-		if code == 0 || strings.TrimSpace(errs) == "" {
-			t.Errorf("from-image %s: exit %d, %q", bad, code, errs)
-		}
+	for _, bad := range []struct{ name, ref string }{
+		{"escaping layer", evilTar},
+		{"junk", junk},
+		{"missing tag", addr + "/forkd/missing:1"},
+		{"missing file", "/nonexistent/image.tar"},
+	} {
+		t.Run(bad.name, func(t *testing.T) {
+			_, errs, code := c.in(t).run("from-image", bad.ref, "--tag", "bad", "--insecure")
+			if code == 0 || strings.TrimSpace(errs) == "" {
+				t.Errorf("from-image %s: exit %d, %q", bad.ref, code, errs)
+			}
+		})
 	}
 	if after := strings.Join(entries(), ","); after != before {
 		t.Errorf("failed imports left something:\nbefore %s\nafter  %s", before, after)

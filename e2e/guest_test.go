@@ -156,7 +156,7 @@ func TestCopyAndPrivateWrites(t *testing.T) {
 	var fork struct {
 		Children []struct{ ID string } `json:"children"`
 	}
-	json.Unmarshal([]byte(c.ok("fork", "--tag", "big", "-n", "2", "--json")), &fork)
+	testutil.Check(t, json.Unmarshal([]byte(c.ok("fork", "--tag", "big", "-n", "2", "--json")), &fork))
 	if len(fork.Children) != 2 {
 		t.Fatalf("fork -n 2 made %d children", len(fork.Children))
 	}
@@ -225,7 +225,7 @@ func TestCopyAndPrivateWrites(t *testing.T) {
 		t.Fatalf("snapshot big after the children's writes: %+v, before them: %+v", after, before)
 	}
 	// A fresh child of the same snapshot sees the pristine image.
-	json.Unmarshal([]byte(c.ok("fork", "--tag", "big", "-n", "1", "--json")), &fork)
+	testutil.Check(t, json.Unmarshal([]byte(c.ok("fork", "--tag", "big", "-n", "1", "--json")), &fork))
 	if _, _, code := c.run("exec", fork.Children[0].ID, "--", "test", "-e", "/usr/bin/env"); code != 0 {
 		t.Fatal("the shared image lost /usr/bin/env")
 	}

@@ -121,16 +121,21 @@ func TestNetworkFlags(t *testing.T) {
 		t.Fatalf("publish 8080 = %q", hp)
 	}
 	// Bad input is refused before anything happens.
-	for _, args := range [][]string{
-		{"fork", "--tag", "web", "--egress", "sometimes"},
-		{"fork", "--tag", "web", "--allow", "not-a-cidr"},
-		{"fork", "--tag", "web", "--publish", "70000"},
-		{"fork", "--tag", "web", "--cpus", "-1"},
-		{"net", id, "--egress", "deny", "--allow", "1.2.3.4/40"},
-		{"publish", id, "0"},
+	for _, tc := range []struct {
+		name string
+		args []string
+	}{
+		{"bad egress", []string{"fork", "--tag", "web", "--egress", "sometimes"}},
+		{"bad allow", []string{"fork", "--tag", "web", "--allow", "not-a-cidr"}},
+		{"bad publish", []string{"fork", "--tag", "web", "--publish", "70000"}},
+		{"bad cpus", []string{"fork", "--tag", "web", "--cpus", "-1"}},
+		{"net bad prefix", []string{"net", id, "--egress", "deny", "--allow", "1.2.3.4/40"}},
+		{"publish 0", []string{"publish", id, "0"}},
 	} {
-		if _, errs, code := c.run(args...); code != 2 {
-			t.Errorf("forkd %q: exit %d (%s), want 2", args, code, errs)
-		}
+		t.Run(tc.name, func(t *testing.T) {
+			if _, errs, code := c.in(t).run(tc.args...); code != 2 {
+				t.Errorf("forkd %q: exit %d (%s), want 2", tc.args, code, errs)
+			}
+		})
 	}
 }

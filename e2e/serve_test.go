@@ -130,33 +130,40 @@ func (d *daemonProc) client(token string) *client.Client {
 func TestServeRefusesWeakSetup(t *testing.T) {
 	c := newCLI(t)
 	tf := filepath.Join(c.data, "tok")
-	for content, want := range map[string]string{
-		"changeme\n":                     "placeholder",
-		"your-token-here-your-token\n":   "placeholder",
-		"abc123\n":                       "want at least 16",
-		"":                               "empty",
-		"aaaaaaaaaaaaaaaaaaaaaaaaaaaa\n": "distinct",
+	for _, tc := range []struct{ name, content, want string }{
+		{"changeme", "changeme\n", "placeholder"},
+		{"your token here", "your-token-here-your-token\n", "placeholder"},
+		{"short", "abc123\n", "want at least 16"},
+		{"empty", "", "empty"},
+		{"one letter", "aaaaaaaaaaaaaaaaaaaaaaaaaaaa\n", "distinct"},
 	} {
-		testutil.WriteFile(t, tf, []byte(content), 0o600)
-		errs, code := refused(t, c, "serve", "--socket", "", "--listen", "127.0.0.1:0", "--token-file", tf)
-		if code == 0 || !strings.Contains(errs, want) {
-			t.Errorf("token %q: exit %d, %q", content, code, errs)
-		}
+		t.Run(tc.name, func(t *testing.T) {
+			testutil.WriteFile(t, tf, []byte(tc.content), 0o600)
+			errs, code := refused(t, c, "serve", "--socket", "", "--listen", "127.0.0.1:0", "--token-file", tf)
+			if code == 0 || !strings.Contains(errs, tc.want) {
+				t.Errorf("token %q: exit %d, %q", tc.content, code, errs)
+			}
+		})
 	}
 	testutil.WriteFile(t, tf, []byte("3f9c2b1e7a6d5c4b3a29181706f5e4d3\n"), 0o600)
 	testutil.Chmod(t, tf, 0o644)
 	if errs, code := refused(t, c, "serve", "--socket", "", "--listen", "127.0.0.1:0", "--token-file", tf); code == 0 || !strings.Contains(errs, "chmod 600") {
 		t.Errorf("0644 token file: exit %d, %q", code, errs)
 	}
-	for _, args := range [][]string{
-		{"serve", "--socket", "", "--listen", "0.0.0.0:0"},
-		{"serve", "--socket", "", "--listen", "0.0.0.0:0", "--no-auth"},
-		{"serve", "--socket", "", "--listen", ":0", "--no-auth", "--allow-plaintext"},
-		{"serve", "--socket", "", "--listen", "127.0.0.1:0", "--tls-cert", "x"},
+	for _, tc := range []struct {
+		name string
+		args []string
+	}{
+		{"public without tls", []string{"serve", "--socket", "", "--listen", "0.0.0.0:0"}},
+		{"public without auth", []string{"serve", "--socket", "", "--listen", "0.0.0.0:0", "--no-auth"}},
+		{"plaintext without auth", []string{"serve", "--socket", "", "--listen", ":0", "--no-auth", "--allow-plaintext"}},
+		{"cert without key", []string{"serve", "--socket", "", "--listen", "127.0.0.1:0", "--tls-cert", "x"}},
 	} {
-		if errs, code := refused(t, c, args...); code != 2 {
-			t.Errorf("forkd %v: exit %d, %q", args, code, errs)
-		}
+		t.Run(tc.name, func(t *testing.T) {
+			if errs, code := refused(t, c, tc.args...); code != 2 {
+				t.Errorf("forkd %v: exit %d, %q", tc.args, code, errs)
+			}
+		})
 	}
 	// spawn needs a daemon.
 	if _, errs, code := c.run("spawn", "--tag", "x"); code == 0 || !strings.Contains(errs, "forkd serve") {
@@ -198,20 +205,29 @@ func TestServeAcceptance(t *testing.T) {
 	defer cancel()
 
 	// Auth: /healthz open, everything else needs the token.
-	for _, tok := range []string{"", "wrong-wrong-wrong-wrong-wrong-1", d.token[:16]} {
-		req, _ := http.NewRequest("GET", d.url+"/v1/sandboxes", nil)
-		if tok != "" {
-			req.Header.Set("Authorization", "Bearer "+tok)
-		}
-		resp, err := http.DefaultClient.Do(req)
-		if err != nil {
-			t.Fatal(err)
-		}
-		body, _ := io.ReadAll(resp.Body)
-		resp.Body.Close()
-		if resp.StatusCode != 401 || !strings.Contains(string(body), `"code":"unauthenticated"`) {
-			t.Errorf("token %q: %d %s", tok, resp.StatusCode, body)
-		}
+	for _, tc := range []struct{ name, tok string }{
+		{"no token", ""},
+		{"wrong token", "wrong-wrong-wrong-wrong-wrong-1"},
+		{"token prefix", d.token[:16]},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			req, err := http.NewRequest("GET", d.url+"/v1/sandboxes", nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if tc.tok != "" {
+				req.Header.Set("Authorization", "Bearer "+tc.tok)
+			}
+			resp, err := http.DefaultClient.Do(req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			body, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			if resp.StatusCode != 401 || !strings.Contains(string(body), `"code":"unauthenticated"`) {
+				t.Errorf("token %q: %d %s", tc.tok, resp.StatusCode, body)
+			}
+		})
 	}
 	if err := d.client("").Health(ctx); err != nil {
 		t.Errorf("healthz without token: %v", err)

@@ -14,6 +14,7 @@ import (
 
 	"github.com/forkd/forkd/internal/agent"
 	"github.com/forkd/forkd/internal/agent/proto"
+	"github.com/forkd/forkd/internal/cleanup"
 	"github.com/forkd/forkd/internal/errdefs"
 	"github.com/forkd/forkd/internal/image"
 	"github.com/forkd/forkd/internal/netns"
@@ -138,6 +139,15 @@ func (e *Engine) CreateSnapshot(ctx context.Context, spec SnapshotSpec) (*snapsh
 	if img.Rootfs != "" {
 		bootSpec.Disks = []vmm.Disk{{Path: img.Rootfs, ReadOnly: true}}
 	}
+	// The parent, its record and its network live only while the snapshot
+	// is made: what the build acquired is undone, last first, however it
+	// ends.
+	var undo cleanup.Stack
+	defer func() {
+		if err := undo.Run(); err != nil {
+			e.log.Warn("clean up after the parent", "snapshot", spec.Tag, "err", err)
+		}
+	}()
 	var buildRec *state.Sandbox
 	if spec.Network {
 		// The parent holds a network slot like a child, recorded so that a
@@ -147,14 +157,15 @@ func (e *Engine) CreateSnapshot(ctx context.Context, spec SnapshotSpec) (*snapsh
 		if err := e.state.PutWithSlot(sb, e.cfg.Net.MaxSlots()); err != nil {
 			return nil, err
 		}
-		defer func() {
+		undo.Add(func() error { return e.state.Delete(sb.ID) })
+		undo.Add(func() error {
 			rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Minute)
 			defer cancel()
 			if err := e.release(rctx, sb); err != nil {
-				e.log.Warn("release parent network", "snapshot", spec.Tag, "err", err)
+				return fmt.Errorf("release parent network: %w", err)
 			}
-			e.state.Delete(sb.ID)
-		}()
+			return nil
+		})
 		buildRec = sb
 		launch, nics, done, err := e.isolate(ctx, sb, &NetSpec{Policy: netns.DefaultPolicy})
 		defer done()
@@ -177,28 +188,36 @@ func (e *Engine) CreateSnapshot(ctx context.Context, spec SnapshotSpec) (*snapsh
 			e.log.Warn("record parent", "snapshot", spec.Tag, "err", err)
 		}
 	}
-	stopParent := func() {
+	stopped := false
+	stopParent := func() error {
+		if stopped {
+			return nil
+		}
+		stopped = true
 		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
 		defer cancel()
-		m.Stop(sctx)
+		if err := m.Stop(sctx); err != nil {
+			return fmt.Errorf("stop parent: %w", err)
+		}
+		return nil
 	}
+	undo.Add(stopParent)
 	if err := e.warm(ctx, m, spec, bootSpec.ConsoleLog); err != nil {
-		stopParent()
 		return nil, err
 	}
 	e.progress(ctx, "parent ready in %.1fs; saving snapshot", time.Since(start).Seconds())
 	if err := m.Pause(ctx); err != nil {
-		stopParent()
 		return nil, fmt.Errorf("pause parent: %w", err)
 	}
 	if err := m.SaveState(ctx, vmm.SaveSpec{StateFile: w.StatePath()}); err != nil {
-		stopParent()
 		return nil, fmt.Errorf("save parent: %w", err)
 	}
 	// The parent must never run again: it writes through its shared
 	// mapping, and children see those writes on pages they did not copy.
 	handle := m.Handle()
-	stopParent()
+	if err := stopParent(); err != nil {
+		e.log.Warn("stop parent", "snapshot", spec.Tag, "err", err)
+	}
 	if err := os.Chmod(w.MemoryPath(), 0o600); err != nil {
 		return nil, err
 	}

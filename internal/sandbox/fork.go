@@ -10,6 +10,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/forkd/forkd/internal/cleanup"
 	"github.com/forkd/forkd/internal/errdefs"
 	"github.com/forkd/forkd/internal/snapshot"
 	"github.com/forkd/forkd/internal/state"
@@ -200,27 +201,34 @@ func (e *Engine) forkOne(ctx context.Context, snap *snapshot.Snapshot, spec Fork
 		l := *spec.Limits
 		sb.Limits = &l
 	}
-	var m vmm.Machine
+	// What the child holds, undone by fail last first: its record, what
+	// restoreFresh or restoreParked made for it (released), its VMM. The
+	// undos share one deadline, set when they run.
+	var undo cleanup.Stack
+	var undoCtx context.Context
+	undo.Add(func() error { return e.state.Delete(id) })
+	undo.Add(func() error { return e.release(undoCtx, sb) })
 	fail := func(err error) Child {
-		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
+		var cancel context.CancelFunc
+		undoCtx, cancel = context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
 		defer cancel()
-		if m != nil {
-			m.Stop(cctx)
+		if uerr := undo.Run(); uerr != nil {
+			e.log.Warn("roll back failed child", "sandbox", id, "err", uerr)
 		}
-		if rerr := e.release(cctx, sb); rerr != nil {
-			e.log.Warn("release failed child", "sandbox", id, "err", rerr)
-		}
-		e.state.Delete(id)
 		c.Err = fmt.Errorf("child %s: %w", id, err)
 		return c
 	}
 	rctx, cancel := context.WithTimeout(ctx, spec.ReadyTimeout)
 	defer cancel()
+	var m vmm.Machine
 	var err error
 	if pk := e.pool.take(snap, spec); pk != nil {
 		m, err = e.restoreParked(rctx, snap, spec, sb, pk)
 	} else {
 		m, err = e.restoreFresh(rctx, snap, spec, sb)
+	}
+	if m != nil {
+		undo.Add(func() error { return m.Stop(undoCtx) })
 	}
 	if err == nil {
 		err = e.fault("restored")

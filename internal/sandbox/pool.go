@@ -9,6 +9,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/forkd/forkd/internal/cleanup"
 	"github.com/forkd/forkd/internal/proc"
 	"github.com/forkd/forkd/internal/snapshot"
 	"github.com/forkd/forkd/internal/state"
@@ -89,22 +90,28 @@ func (p *pool) dropLater(tags []string) {
 }
 
 // restoreParked turns pk into the child sb: its record takes the child's
-// id, its network takes the child's policy, and the VMM loads snap.
-func (e *Engine) restoreParked(ctx context.Context, snap *snapshot.Snapshot, spec ForkSpec, sb *state.Sandbox, pk *parkedVMM) (vmm.Machine, error) {
+// id, its network takes the child's policy, and the VMM loads snap. On
+// failure the VMM is discarded; a record renamed to sb is the caller's to
+// release.
+func (e *Engine) restoreParked(ctx context.Context, snap *snapshot.Snapshot, spec ForkSpec, sb *state.Sandbox, pk *parkedVMM) (_ vmm.Machine, err error) {
 	sb.Handle, sb.Net = pk.sb.Handle, pk.sb.Net
 	if err := e.state.Rename(pk.sb.ID, sb); err != nil {
-		// The parked record stays; the VMM goes.
+		// The record keeps the parked id, so nothing is the caller's: the
+		// VMM, the record's network and the record go here.
 		dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
 		defer cancel()
-		pk.p.Discard(dctx)
-		e.release(dctx, pk.sb)
-		e.state.Delete(pk.sb.ID)
 		sb.Net = nil
-		return nil, err
+		return nil, errors.Join(err, pk.p.Discard(dctx), e.release(dctx, pk.sb), e.state.Delete(pk.sb.ID))
 	}
+	var undo cleanup.Stack
+	defer func() {
+		if err != nil {
+			err = errors.Join(err, undo.Run())
+		}
+	}()
+	undo.Add(func() error { return pk.p.Discard(context.WithoutCancel(ctx)) })
 	if sb.Net != nil {
 		if err := e.cfg.Net.SetPolicy(ctx, sb.Net.Slot, spec.Net.Policy); err != nil {
-			pk.p.Discard(context.WithoutCancel(ctx))
 			return nil, err
 		}
 		pol, _ := json.Marshal(spec.Net.Policy)
@@ -112,9 +119,9 @@ func (e *Engine) restoreParked(ctx context.Context, snap *snapshot.Snapshot, spe
 	}
 	m, err := pk.p.Restore(ctx, vmm.RestoreSpec{StateFile: snap.StatePath()})
 	if err != nil {
-		pk.p.Discard(context.WithoutCancel(ctx))
 		return nil, err
 	}
+	undo.Release()
 	return m, nil
 }
 
@@ -201,15 +208,18 @@ func (p *pool) park(snap *snapshot.Snapshot) (_ *parkedVMM, err error) {
 	id := newID()
 	sb := &state.Sandbox{ID: id, Snapshot: snap.Tag, Status: state.StatusParked, Created: time.Now().UTC(), Starter: starter(),
 		Handle: vmm.Handle{Backend: e.cfg.Backend.Name(), RunDir: filepath.Join(e.runDir, id)}}
+	var undo cleanup.Stack
+	defer func() {
+		if err != nil {
+			err = errors.Join(err, undo.Run())
+		}
+	}()
 	if err := e.record(sb, snap); err != nil {
 		return nil, err
 	}
-	defer func() {
-		if err != nil {
-			e.release(context.Background(), sb)
-			e.state.Delete(id)
-		}
-	}()
+	undo.Add(func() error { return e.state.Delete(id) })
+	// The network and run dir prepareVMM makes for the record.
+	undo.Add(func() error { return e.release(context.Background(), sb) })
 	ns := &NetSpec{}
 	if err := ns.validate(); err != nil {
 		return nil, err
@@ -223,11 +233,12 @@ func (p *pool) park(snap *snapshot.Snapshot) (_ *parkedVMM, err error) {
 	if err != nil {
 		return nil, err
 	}
+	undo.Add(func() error { return pk.Discard(ctx) })
 	sb.Handle = pk.Handle()
 	if err := e.state.Put(sb); err != nil {
-		pk.Discard(ctx)
 		return nil, err
 	}
+	undo.Release()
 	return &parkedVMM{p: pk, sb: sb, snap: snap}, nil
 }
 

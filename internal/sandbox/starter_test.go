@@ -152,17 +152,19 @@ func TestStaleReclaimReleasesNothing(t *testing.T) {
 	}
 }
 
-// fakeParked is a parked VMM that records being discarded.
+// fakeParked is a parked VMM that records being discarded (and fails to
+// be, with discardErr).
 type fakeParked struct {
-	h         vmm.Handle
-	discarded chan struct{}
+	h          vmm.Handle
+	discarded  chan struct{}
+	discardErr error
 }
 
 func (f *fakeParked) Handle() vmm.Handle { return f.h }
 func (f *fakeParked) Restore(context.Context, vmm.RestoreSpec) (vmm.Machine, error) {
 	return nil, errdefs.NotImplemented("fake")
 }
-func (f *fakeParked) Discard(context.Context) error { close(f.discarded); return nil }
+func (f *fakeParked) Discard(context.Context) error { close(f.discarded); return f.discardErr }
 
 // The pool hands out only a live VMM parked for this very snapshot: one
 // parked for an earlier snapshot of the tag, or one that died, is

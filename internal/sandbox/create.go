@@ -29,9 +29,9 @@ type SnapshotSpec struct {
 	Image string // built-in image name; ignored when Built or OCI is set
 	// OCIRef and OCI, when OCI is set, import an OCI image (a registry
 	// reference, a docker-save tarball or an OCI layout) as the image.
-	OCIRef string
-	OCI    *image.OCIOptions
-	Built  *image.Image // an image built already
+	OCIRef    string
+	OCI       *image.OCIOptions
+	Built     *image.Image // an image built already
 	MemoryMiB int
 	VCPUs     int
 	// Warmup commands run in the parent (sh -c) before it is saved.

@@ -28,6 +28,10 @@ func (b *batchFlags) register(cmd *cobra.Command, one, many string) {
 	f.IntVarP(&b.req.N, "n", "n", 1, "number of "+many)
 	f.BoolVar(&b.req.KeepPartial, "keep-partial", false, "keep the "+many+" that came up when others failed")
 	b.iso.register(f)
+	// The original forkd's flag; here every child of a snapshot with a NIC
+	// has its own network namespace already.
+	f.Bool("per-child-netns", false, "accepted for scripts written for the original forkd: every child already has its own network namespace")
+	_ = f.MarkHidden("per-child-netns") // just added
 	f.StringArrayVar(&b.meta, "metadata", nil, "KEY=VALUE recorded with each "+one+" (repeatable)")
 	cmd.MarkFlagRequired("tag")
 }

@@ -3,6 +3,7 @@ package cli
 import (
 	"fmt"
 	"strings"
+	"time"
 
 	apiv1 "github.com/forkd/forkd/api/v1"
 
@@ -13,10 +14,10 @@ import (
 )
 
 func newEvalCmd(g *globals) *cobra.Command {
-	var timeout float64
+	var timeout time.Duration
 	var asJSON bool
 	cmd := &cobra.Command{
-		Use:   "eval ID [--timeout SECS] [-- CODE]",
+		Use:   "eval ID [--timeout 30s] [-- CODE]",
 		Short: "Run Python in the sandbox's warm interpreter (code from the arguments or stdin)",
 		Args:  cobra.MinimumNArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
@@ -31,7 +32,7 @@ func newEvalCmd(g *globals) *cobra.Command {
 			if strings.TrimSpace(code) == "" {
 				return errdefs.InvalidArgument("no code: give it after -- or on stdin")
 			}
-			d, err := request.CallTimeout("--timeout", timeout)
+			d, err := request.CallTimeout("--timeout", timeout.Seconds())
 			if err != nil {
 				return err
 			}
@@ -53,7 +54,7 @@ func newEvalCmd(g *globals) *cobra.Command {
 			return printEval(g, res, asJSON)
 		},
 	}
-	cmd.Flags().Float64Var(&timeout, "timeout", 0, "interrupt the code after this many seconds, up to 86400 (0 = no limit)")
+	timeoutFlag(cmd.Flags(), &timeout, "timeout", "interrupt the code after this long, at most 24h (0: no limit)")
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print the whole result as JSON")
 	return cmd
 }

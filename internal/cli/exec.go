@@ -53,7 +53,7 @@ func newExecCmd(g *globals) *cobra.Command {
 		},
 	}
 	f := cmd.Flags()
-	f.DurationVar(&timeout, "timeout", 0, "kill the command after this long (e.g. 30s; at most 24h; 0 = no limit)")
+	timeoutFlag(f, &timeout, "timeout", "kill the command after this long, at most 24h (0: no limit)")
 	f.StringArrayVar(&env, "env", nil, "KEY=VALUE for the command (repeatable)")
 	f.StringVar(&cwd, "cwd", "", "working directory in the guest")
 	f.StringVar(&user, "user", "", "user to run as in the guest")

@@ -2,6 +2,7 @@ package cli
 
 import (
 	"fmt"
+	"time"
 
 	"github.com/spf13/cobra"
 
@@ -12,11 +13,16 @@ import (
 func newSpawnCmd(g *globals) *cobra.Command {
 	var batch batchFlags
 	var asJSON bool
+	var ttl time.Duration
 	cmd := &cobra.Command{
-		Use:   "spawn --tag TAG [-n N] [--timeout-secs S]",
+		Use:   "spawn --tag TAG [-n N] [--timeout 10m]",
 		Short: "Fork sandboxes through the daemon (forkd serve), with a time to live",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
+			if ttl%time.Second != 0 {
+				return errdefs.InvalidArgument("--timeout %v: want whole seconds", ttl)
+			}
+			batch.req.TimeoutSecs = int(ttl / time.Second)
 			req, err := batch.request()
 			if err != nil {
 				return err
@@ -34,7 +40,8 @@ func newSpawnCmd(g *globals) *cobra.Command {
 		},
 	}
 	batch.register(cmd, "sandbox", "sandboxes")
-	cmd.Flags().IntVar(&batch.req.TimeoutSecs, "timeout-secs", 0, "kill each sandbox this long after it is ready (0 = never)")
+	timeoutFlag(cmd.Flags(), &ttl, "timeout", "kill each sandbox this long after it is ready (0: never)")
+	secondsAlias(cmd.Flags(), &ttl, "timeout-secs")
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print the daemon's answer as JSON")
 	return cmd
 }

@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/forkd/forkd/internal/errdefs"
 )
@@ -241,5 +242,38 @@ func TestReadInput(t *testing.T) {
 	cancel()
 	if _, err := readInput(ctx, pr, "code", 1<<20); !errors.Is(err, context.Canceled) {
 		t.Fatalf("cancelled read = %v", err)
+	}
+}
+
+func TestTimeoutSpellings(t *testing.T) {
+	for in, want := range map[string]time.Duration{
+		"30s": 30 * time.Second, "1m30s": 90 * time.Second, "90": 90 * time.Second,
+		"2.5": 2500 * time.Millisecond, "0": 0,
+	} {
+		t.Run(in, func(t *testing.T) {
+			if got, err := parseTimeout(in); err != nil || got != want {
+				t.Fatalf("parseTimeout(%q) = %v, %v; want %v", in, got, err, want)
+			}
+		})
+	}
+	for _, in := range []string{"-1", "-1s", "NaN", "Inf", "1e300", "soon", ""} {
+		t.Run("bad "+in, func(t *testing.T) {
+			if _, err := parseTimeout(in); !errdefs.IsInvalidArgument(err) {
+				t.Fatalf("parseTimeout(%q) = %v, want refused", in, err)
+			}
+		})
+	}
+	// Every command takes the one spelling; the older ones still parse.
+	checkRefused(t, []badArgs{
+		{[]string{"exec", "sb-aaaaaaaaaa", "--timeout", "25h", "--", "true"}, "--timeout"},
+		{[]string{"eval", "sb-aaaaaaaaaa", "--timeout", "100000", "--", "1"}, "--timeout"},
+		{[]string{"eval", "sb-aaaaaaaaaa", "--timeout", "soon", "--", "1"}, "--timeout"},
+		{[]string{"spawn", "--tag", "t", "--timeout", "1.5s"}, "whole seconds"},
+	})
+	if _, err := runCLI(t, "spawn", "--tag", "t", "--timeout-secs", "60"); !errdefs.IsFailedPrecondition(err) || !strings.Contains(err.Error(), "needs a running daemon") {
+		t.Errorf("spawn --timeout-secs 60: %v, want the daemon asked for", err)
+	}
+	if _, err := runCLI(t, "fork", "--tag", "b@d", "--per-child-netns"); !errdefs.IsInvalidArgument(err) || !strings.Contains(err.Error(), "b@d") {
+		t.Errorf("fork --per-child-netns: %v, want the flag accepted and the tag refused", err)
 	}
 }

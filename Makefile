@@ -10,7 +10,7 @@ FORKD_TEST_CACHE ?= /var/tmp/forkd-test-cache
 # Packages whose tests run in CI; everything under ./...
 PKGS ?= ./...
 
-.PHONY: all build deps quickstart test vet fmt-check fuzz clean
+.PHONY: all build deps quickstart test unit root vm lint vet fmt-check fuzz clean
 
 all: build
 
@@ -29,13 +29,34 @@ vet:
 	$(GO) vet ./...
 
 fmt-check:
-	@out=$$($(GOFMT) -l cmd internal api client e2e); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
+	@out=$$($(GOFMT) -l cmd internal api client e2e tools); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 
-# Unit, root and VM tiers. As root with the packages installed every tier
-# runs; FORKD_TEST_STRICT=1 (set by CI) turns any skip into a failure.
-test: deps build vet fmt-check
-	FORKD_AGENT=$(CURDIR)/bin/forkd-agent FORKD_TEST_CACHE=$(FORKD_TEST_CACHE) $(GO) test -count=1 -timeout $(FORKD_TEST_TIMEOUT) $(PKGS)
+# The test tiers are levels (internal/testutil): unit tests run anywhere
+# without root or host packages; root adds netns, nftables and cgroups;
+# vm adds real QEMU guests and the real daemon, and so runs every test.
+# FORKD_TEST_STRICT=1 (set by CI) turns any skip within the selected
+# tiers into a failure. The race detector needs a C compiler (gcc).
+TESTENV = FORKD_AGENT=$(CURDIR)/bin/forkd-agent FORKD_TEST_CACHE=$(FORKD_TEST_CACHE)
+
+# Seconds, without root or apt: the unit tier under the race detector.
+unit:
+	FORKD_TEST_TIER=unit $(GO) test -race -count=1 $(PKGS)
+
+root: deps build
+	$(TESTENV) FORKD_TEST_TIER=root $(GO) test -count=1 -timeout $(FORKD_TEST_TIMEOUT) $(PKGS)
+
+vm: deps build
+	$(TESTENV) FORKD_TEST_TIER=vm $(GO) test -count=1 -timeout $(FORKD_TEST_TIMEOUT) $(PKGS)
+
+lint:
+	$(GO) tool -modfile=tools/go.mod golangci-lint run ./...
+
+fuzz:
 	$(GO) test -run=^$$ -fuzz=FuzzDecodeCreateSandbox -fuzztime=20s -fuzzminimizetime=2s ./internal/server
+
+# Everything CI runs: vet, format, lint, the unit tier under -race, then
+# every tier (vm), then a bounded fuzz run.
+test: deps build vet fmt-check lint unit vm fuzz
 
 clean:
 	rm -rf bin

@@ -28,6 +28,7 @@ import (
 // and run QEMU.
 func Require(t testing.TB) {
 	t.Helper()
+	testutil.RequireTier(t, testutil.TierVM)
 	testutil.RequireCommand(t, "qemu-system-x86_64", "apt-get", "apt-cache", "dpkg-deb")
 	if _, err := os.Stat("/bin/busybox"); err != nil {
 		testutil.Unavailable(t, "test needs /bin/busybox (busybox-static)")

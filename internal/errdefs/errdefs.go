@@ -49,7 +49,7 @@ func (e *classed) Unwrap() []error { return append([]error{e.class}, e.causes...
 func newf(class error, format string, args ...any) error {
 	err := fmt.Errorf(format, args...)
 	c := &classed{msg: err.Error(), class: class}
-	switch u := err.(type) {
+	switch u := err.(type) { //nolint:errorlint // fmt.Errorf's own result: its direct causes, not a search of the tree
 	case interface{ Unwrap() error }:
 		if cause := u.Unwrap(); cause != nil {
 			c.causes = []error{cause}
@@ -109,11 +109,11 @@ func DeadlineExceeded(format string, args ...any) error {
 // or nil when err carries none.
 func Class(err error) error {
 	for _, c := range codes {
-		if err == c.class {
+		if err == c.class { //nolint:errorlint // this node only: errors.Is would find a class buried in a cause
 			return c.class
 		}
 	}
-	switch e := err.(type) {
+	switch e := err.(type) { //nolint:errorlint // walks the tree node by node, nearest the top first
 	case *classed:
 		return e.class
 	case interface{ Unwrap() error }:
@@ -133,31 +133,31 @@ func Class(err error) error {
 func Classed(err error) bool { return Class(err) != nil }
 
 // IsNotFound reports whether err is of class ErrNotFound.
-func IsNotFound(err error) bool { return Class(err) == ErrNotFound }
+func IsNotFound(err error) bool { return errors.Is(Class(err), ErrNotFound) }
 
 // IsAlreadyExists reports whether err is of class ErrAlreadyExists.
-func IsAlreadyExists(err error) bool { return Class(err) == ErrAlreadyExists }
+func IsAlreadyExists(err error) bool { return errors.Is(Class(err), ErrAlreadyExists) }
 
 // IsInvalidArgument reports whether err is of class ErrInvalidArgument.
-func IsInvalidArgument(err error) bool { return Class(err) == ErrInvalidArgument }
+func IsInvalidArgument(err error) bool { return errors.Is(Class(err), ErrInvalidArgument) }
 
 // IsFailedPrecondition reports whether err is of class ErrFailedPrecondition.
-func IsFailedPrecondition(err error) bool { return Class(err) == ErrFailedPrecondition }
+func IsFailedPrecondition(err error) bool { return errors.Is(Class(err), ErrFailedPrecondition) }
 
 // IsResourceExhausted reports whether err is of class ErrResourceExhausted.
-func IsResourceExhausted(err error) bool { return Class(err) == ErrResourceExhausted }
+func IsResourceExhausted(err error) bool { return errors.Is(Class(err), ErrResourceExhausted) }
 
 // IsUnavailable reports whether err is of class ErrUnavailable.
-func IsUnavailable(err error) bool { return Class(err) == ErrUnavailable }
+func IsUnavailable(err error) bool { return errors.Is(Class(err), ErrUnavailable) }
 
 // IsUnauthenticated reports whether err is of class ErrUnauthenticated.
-func IsUnauthenticated(err error) bool { return Class(err) == ErrUnauthenticated }
+func IsUnauthenticated(err error) bool { return errors.Is(Class(err), ErrUnauthenticated) }
 
 // IsNotImplemented reports whether err is of class ErrNotImplemented.
-func IsNotImplemented(err error) bool { return Class(err) == ErrNotImplemented }
+func IsNotImplemented(err error) bool { return errors.Is(Class(err), ErrNotImplemented) }
 
 // IsDeadlineExceeded reports whether err is of class ErrDeadlineExceeded.
-func IsDeadlineExceeded(err error) bool { return Class(err) == ErrDeadlineExceeded }
+func IsDeadlineExceeded(err error) bool { return errors.Is(Class(err), ErrDeadlineExceeded) }
 
 // CodeInternal is the wire name of an error without a class.
 const CodeInternal = "internal"
@@ -167,7 +167,7 @@ const CodeInternal = "internal"
 func Code(err error) string {
 	c := Class(err)
 	for _, k := range codes {
-		if k.class == c {
+		if errors.Is(c, k.class) {
 			return k.code
 		}
 	}

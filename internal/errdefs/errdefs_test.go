@@ -22,7 +22,7 @@ func TestClassKeepsCause(t *testing.T) {
 		{"canceled", Unavailable("agent: %w", ctx.Err()), ErrUnavailable, context.Canceled},
 		{"not exist", NotFound("state file: %w", statErr), ErrNotFound, fs.ErrNotExist},
 		{"two causes", FailedPrecondition("a: %w, b: %w", context.DeadlineExceeded, fs.ErrPermission), ErrFailedPrecondition, fs.ErrPermission},
-		{"wrapped again", fmt.Errorf("fork: %w", InvalidArgument("n: %w", strconvErr)), ErrInvalidArgument, strconvErr},
+		{"wrapped again", fmt.Errorf("fork: %w", InvalidArgument("n: %w", errStrconv)), ErrInvalidArgument, errStrconv},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			if !errors.Is(tc.err, tc.class) {
@@ -31,14 +31,14 @@ func TestClassKeepsCause(t *testing.T) {
 			if !errors.Is(tc.err, tc.cause) {
 				t.Errorf("errors.Is(%v, cause %v) = false", tc.err, tc.cause)
 			}
-			if got := Class(tc.err); got != tc.class {
+			if got := Class(tc.err); !errors.Is(got, tc.class) {
 				t.Errorf("Class = %v, want %v", got, tc.class)
 			}
 		})
 	}
 }
 
-var strconvErr = errors.New("strconv: bad digit")
+var errStrconv = errors.New("strconv: bad digit")
 
 func TestMessageNamesNoClass(t *testing.T) {
 	err := NotFound("snapshot %q not found", "py")
@@ -92,7 +92,7 @@ func TestCodeRoundTrip(t *testing.T) {
 	for _, c := range codes {
 		t.Run(c.code, func(t *testing.T) {
 			err := FromCode(c.code, "msg")
-			if Class(err) != c.class || Code(err) != c.code || err.Error() != "msg" {
+			if !errors.Is(Class(err), c.class) || Code(err) != c.code || err.Error() != "msg" {
 				t.Fatalf("FromCode(%q) = %v (class %v, code %q)", c.code, err, Class(err), Code(err))
 			}
 		})

@@ -173,7 +173,9 @@ func (c *Client) do(ctx context.Context, method, path string, q url.Values, in, 
 	}
 	defer resp.Body.Close()
 	if out == nil {
-		io.Copy(io.Discard, resp.Body)
+		// Drained so that the connection is reused; the call succeeded
+		// whatever the rest of the body does.
+		_, _ = io.Copy(io.Discard, resp.Body)
 		return nil
 	}
 	if err := json.NewDecoder(resp.Body).Decode(out); err != nil {

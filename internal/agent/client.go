@@ -221,6 +221,15 @@ func (c *Client) Err() error {
 // guest would cancel this session's foreground requests only when the next
 // session starts, since it cannot see a disconnect.
 func (c *Client) Close() error {
+	c.cancelPending()
+	c.stop(errdefs.Unavailable("agent client closed"))
+	return nil
+}
+
+// cancelPending tells the guest to abandon the calls still pending, unless
+// the client has stopped already (there is no connection left to use).
+// It gives up after about a second, or at the first write that fails.
+func (c *Client) cancelPending() {
 	c.mu.Lock()
 	pending := make([]uint32, 0, len(c.calls))
 	for id := range c.calls {
@@ -228,23 +237,23 @@ func (c *Client) Close() error {
 	}
 	stopped := c.err != nil
 	c.mu.Unlock()
-	if !stopped {
-		limit := time.Now().Add(time.Second)
-		c.writeCap.Store(limit.UnixNano())
-		// A write already blocked (a guest that stopped reading) is cut at
-		// the same limit, not at its own 30 s deadline.
-		c.conn.SetWriteDeadline(limit)
-		for deadline := time.Now().Add(time.Second); c.cancels.Load() > 0 && time.Now().Before(deadline); {
-			time.Sleep(2 * time.Millisecond)
-		}
-		for _, id := range pending {
-			if c.w.WriteFrame(proto.Frame{Type: proto.TypeCancel, ID: id}) != nil {
-				break
-			}
+	if stopped {
+		return
+	}
+	limit := time.Now().Add(time.Second)
+	c.writeCap.Store(limit.UnixNano())
+	// A write already blocked (a guest that stopped reading) is cut at
+	// the same limit, not at its own 30 s deadline. It fails only on a
+	// closed connection, where the writes below fail too.
+	_ = c.conn.SetWriteDeadline(limit)
+	for deadline := time.Now().Add(time.Second); c.cancels.Load() > 0 && time.Now().Before(deadline); {
+		time.Sleep(2 * time.Millisecond)
+	}
+	for _, id := range pending {
+		if c.w.WriteFrame(proto.Frame{Type: proto.TypeCancel, ID: id}) != nil {
+			break
 		}
 	}
-	c.stop(errdefs.Unavailable("agent client closed"))
-	return nil
 }
 
 // stop ends the client with err; the first error wins.
@@ -277,7 +286,8 @@ func (w connWriter) Write(p []byte) (int, error) {
 	if lim := c.writeCap.Load(); lim != 0 && dl.UnixNano() > lim {
 		dl = time.Unix(0, lim)
 	}
-	c.conn.SetWriteDeadline(dl)
+	// It fails only on a closed connection, which the write reports.
+	_ = c.conn.SetWriteDeadline(dl)
 	n, err := c.conn.Write(p)
 	if err != nil {
 		c.stop(errdefs.Unavailable("agent connection lost: write: %w", err))
@@ -454,7 +464,9 @@ func (c *Client) cancel(cl *call) {
 	c.cancels.Add(1)
 	go func() {
 		defer c.cancels.Add(-1)
-		c.w.WriteFrame(proto.Frame{Type: proto.TypeCancel, ID: cl.id})
+		// A failed write stops the client (connWriter): nothing is left
+		// in the guest to cancel through it.
+		_ = c.w.WriteFrame(proto.Frame{Type: proto.TypeCancel, ID: cl.id})
 	}()
 	c.forget(cl)
 }
@@ -511,7 +523,8 @@ func (c *Client) consumed(cl *call, n int) {
 	inc := cl.acked
 	cl.acked = 0
 	cl.unacked.Add(-int64(inc))
-	c.w.WriteFrame(proto.Frame{Type: proto.TypeWindow, ID: cl.id, Payload: proto.WindowPayload(uint32(inc))})
+	// A failed write stops the client (connWriter), which fails the call.
+	_ = c.w.WriteFrame(proto.Frame{Type: proto.TypeWindow, ID: cl.id, Payload: proto.WindowPayload(uint32(inc))})
 }
 
 // sendStream copies r to the guest as data frames of stream st, ending with

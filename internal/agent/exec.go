@@ -59,8 +59,9 @@ func (c *Client) Exec(ctx context.Context, req ExecRequest) (*proto.ExecResult, 
 		go func() {
 			var re *readError
 			if err := c.sendStream(sctx, cl, proto.StreamStdin, req.Stdin); errors.As(err, &re) {
-				// A broken stdin source ends the process's stdin.
-				c.w.WriteFrame(proto.Frame{Type: proto.TypeData, Flags: uint16(proto.StreamStdin) | proto.FlagEOF, ID: cl.id})
+				// A broken stdin source ends the process's stdin. A failed
+				// write stops the client, which fails the call.
+				_ = c.w.WriteFrame(proto.Frame{Type: proto.TypeData, Flags: uint16(proto.StreamStdin) | proto.FlagEOF, ID: cl.id})
 			}
 		}()
 	}
@@ -95,7 +96,9 @@ func (c *Client) feedBackground(pid int, r io.Reader) {
 			}
 		}
 		if err != nil {
-			c.CloseStdin(ctx, pid)
+			// Best effort, like the sends: it fails only when the process
+			// has ended or the client has stopped, and nobody waits for it.
+			_ = c.CloseStdin(ctx, pid)
 			return
 		}
 	}
@@ -180,7 +183,7 @@ func (c *Client) EvalStream(ctx context.Context, req proto.EvalRequest, stdout, 
 	var res proto.EvalResult
 	write := streams(stdout, stderr)
 	err = c.wait(ctx, cl, func(f proto.Frame) error {
-		write(f) // a failing writer must not lose the result
+		_ = write(f) // a failing writer must not lose the result
 		return nil
 	}, &res)
 	if err != nil {

@@ -48,7 +48,8 @@ func (c *Client) WriteFile(ctx context.Context, path string, r io.Reader, mode f
 			// Abandon the write in the guest: nothing half-sent is committed.
 			readErr = re.err
 			close(readFailed)
-			c.w.WriteFrame(proto.Frame{Type: proto.TypeCancel, ID: cl.id})
+			// A failed write stops the client, which fails the call.
+			_ = c.w.WriteFrame(proto.Frame{Type: proto.TypeCancel, ID: cl.id})
 		}
 	}()
 	err = c.wait(ctx, cl, nil, nil)

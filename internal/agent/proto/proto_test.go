@@ -46,7 +46,7 @@ func TestReaderSkipsGarbageAndBadFrames(t *testing.T) {
 	if err != nil || f.Type != TypeData || f.ID != 9 || f.Stream() != StreamStdout || !f.EOF() || string(f.Payload) != "hello" {
 		t.Fatalf("second frame = %+v, %v", f, err)
 	}
-	if _, err := r.Next(); err != io.EOF {
+	if _, err := r.Next(); !errors.Is(err, io.EOF) {
 		t.Fatalf("after the frames: %v, want EOF", err)
 	}
 	if r.Skipped() == 0 {
@@ -129,7 +129,7 @@ func TestAssembler(t *testing.T) {
 	var got [][]byte
 	for {
 		f, err := r.Next()
-		if err == io.EOF {
+		if errors.Is(err, io.EOF) {
 			break
 		}
 		if err != nil {
@@ -164,7 +164,7 @@ func TestCreditAndQueue(t *testing.T) {
 	}
 	boom := errors.New("closed")
 	c.Close(boom)
-	if _, err := c.Take(context.Background(), 1); err != boom {
+	if _, err := c.Take(context.Background(), 1); !errors.Is(err, boom) {
 		t.Fatalf("Take after Close: %v", err)
 	}
 
@@ -177,7 +177,7 @@ func TestCreditAndQueue(t *testing.T) {
 			t.Fatalf("Pop = %d, %v", v, err)
 		}
 	}
-	if _, err := q.Pop(context.Background()); err != boom {
+	if _, err := q.Pop(context.Background()); !errors.Is(err, boom) {
 		t.Fatalf("Pop after Close: %v", err)
 	}
 	if q.Push(3) {

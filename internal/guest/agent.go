@@ -432,7 +432,9 @@ func (r *request) sendMessage(t proto.Type, payload []byte) error {
 // sendEvent writes an event for r.
 func (r *request) sendEvent(ev proto.Event) {
 	b, _ := json.Marshal(ev)
-	r.sendMessage(proto.TypeEvent, b)
+	if err := r.sendMessage(proto.TypeEvent, b); err != nil && !errors.Is(err, errStale) {
+		r.c.a.log.Warn("write event", "op", r.op, "id", r.id, "err", err)
+	}
 }
 
 // sendData writes p as data frames of stream st, waiting for credit.
@@ -482,12 +484,15 @@ func (r *request) consumed(n int) {
 	}
 	inc := r.acked
 	r.acked = 0
-	r.c.w.Locked(func(fw proto.FrameWriter) error {
+	err := r.c.w.Locked(func(fw proto.FrameWriter) error {
 		if r.c.cur.Load() != r.sess {
 			return errStale
 		}
 		return fw.WriteFrame(proto.Frame{Type: proto.TypeWindow, ID: r.id, Payload: proto.WindowPayload(uint32(inc))})
 	})
+	if err != nil && !errors.Is(err, errStale) {
+		r.c.a.log.Warn("write window", "op", r.op, "id", r.id, "err", err)
+	}
 }
 
 // handler runs one operation. A handler that streams data uses r; its

@@ -63,7 +63,9 @@ func (in *interp) eval(ctx context.Context, r *request, req proto.EvalRequest, s
 	cancelled, timedOut := false, false
 	ctxDone := ctx.Done()
 	interrupt := func() {
-		syscall.Kill(p.pid, syscall.SIGINT)
+		// Fails only for an interpreter already gone; the grace timer
+		// below ends the wait either way.
+		_ = syscall.Kill(p.pid, syscall.SIGINT)
 		t := time.NewTimer(in.a.cfg.EvalGrace)
 		grace = t.C
 	}

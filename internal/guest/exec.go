@@ -234,7 +234,9 @@ func pump(f *os.File, exited <-chan struct{}, out func([]byte) error) {
 			if stopAt.IsZero() {
 				stopAt = now.Add(drainMax)
 			}
-			f.SetReadDeadline(minTime(now.Add(drainGrace), stopAt))
+			// f is a pipe (pollable): this fails only once f is closed,
+			// and then the read below fails too.
+			_ = f.SetReadDeadline(minTime(now.Add(drainGrace), stopAt))
 		default:
 		}
 		n, err := f.Read(buf)
@@ -322,8 +324,9 @@ func (a *Agent) exec(ctx context.Context, r *request, args json.RawMessage) (any
 
 	st, timedOut := awaitExit(done, pid, req.Timeout, ctx.Done())
 	close(exited)
-	std.stdout.SetReadDeadline(time.Now().Add(drainGrace))
-	std.stderr.SetReadDeadline(time.Now().Add(drainGrace))
+	// Pipes, open until below: setting a deadline on them cannot fail.
+	_ = std.stdout.SetReadDeadline(time.Now().Add(drainGrace))
+	_ = std.stderr.SetReadDeadline(time.Now().Add(drainGrace))
 	drainLeftovers(&wg, pid, start, req.Timeout, ctx.Done())
 	stopFeed()
 	std.stdout.Close()
@@ -363,8 +366,9 @@ func drainLeftovers(wg *sync.WaitGroup, pid int, start time.Time, timeout time.D
 	case <-cancel:
 	}
 	// pid was reaped but still names the group while members are left;
-	// signal only the group, never a pid that may have been reused.
-	syscall.Kill(-pid, syscall.SIGKILL)
+	// signal only the group, never a pid that may have been reused. It
+	// fails (ESRCH) when no member is left: nothing to kill.
+	_ = syscall.Kill(-pid, syscall.SIGKILL)
 	<-drained
 }
 
@@ -408,10 +412,10 @@ func awaitExit(done <-chan exitStatus, pid int, timeout time.Duration, cancel <-
 		case <-expire:
 			timedOut = true
 			expire = nil
-			killGroup(pid, syscall.SIGKILL)
+			_ = killGroup(pid, syscall.SIGKILL) // fails only for a process gone, whose status is coming
 		case <-cancel:
 			cancel = nil
-			killGroup(pid, syscall.SIGKILL)
+			_ = killGroup(pid, syscall.SIGKILL) // fails only for a process gone, whose status is coming
 		}
 	}
 }

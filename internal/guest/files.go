@@ -208,7 +208,11 @@ func (a *Agent) fileWrite(ctx context.Context, r *request, args json.RawMessage)
 		}
 	}
 	if uid >= 0 && os.Geteuid() == 0 {
-		tmp.Chown(uid, gid)
+		// The new file keeps the old one's owner where the file system
+		// lets it; the write does not fail for it.
+		if err := tmp.Chown(uid, gid); err != nil {
+			a.log.Warn("keep owner", "path", p, "uid", uid, "gid", gid, "err", err)
+		}
 	}
 	if err := tmp.Chmod(mode); err != nil {
 		return nil, pathError("write", p, err)

@@ -2,6 +2,7 @@ package guest
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -57,7 +58,7 @@ func Main(args []string) int {
 	ctx := context.Background()
 	if *serveStdio {
 		err := a.Serve(ctx, stdStream{os.Stdin, os.Stdout})
-		if err == io.EOF {
+		if errors.Is(err, io.EOF) {
 			return 0
 		}
 		log.Error("serve", "err", err)

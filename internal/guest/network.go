@@ -104,7 +104,7 @@ func configureNetwork(cfg netConfig, wait time.Duration) error {
 			fmt.Fprintf(&b, "nameserver %s\n", d)
 		}
 		// Best effort: an image may keep /etc read-only or link it away.
-		os.WriteFile("/etc/resolv.conf", []byte(b.String()), 0o644)
+		_ = os.WriteFile("/etc/resolv.conf", []byte(b.String()), 0o644)
 	}
 	return nil
 }

@@ -47,12 +47,11 @@ func mountBase(log *slog.Logger) error {
 			errs = append(errs, fmt.Errorf("mount %s on %s: %w", m.fstype, m.target, err))
 		}
 	}
-	if _, err := os.Lstat("/dev/ptmx"); os.IsNotExist(err) {
-		os.Symlink("pts/ptmx", "/dev/ptmx")
-	}
-	for _, l := range [][2]string{{"/proc/self/fd", "/dev/fd"}, {"/proc/self/fd/0", "/dev/stdin"}, {"/proc/self/fd/1", "/dev/stdout"}, {"/proc/self/fd/2", "/dev/stderr"}} {
+	for _, l := range [][2]string{{"pts/ptmx", "/dev/ptmx"}, {"/proc/self/fd", "/dev/fd"}, {"/proc/self/fd/0", "/dev/stdin"}, {"/proc/self/fd/1", "/dev/stdout"}, {"/proc/self/fd/2", "/dev/stderr"}} {
 		if _, err := os.Lstat(l[1]); os.IsNotExist(err) {
-			os.Symlink(l[0], l[1])
+			if err := os.Symlink(l[0], l[1]); err != nil {
+				log.Warn("link", "link", l[1], "target", l[0], "err", err)
+			}
 		}
 	}
 	return errors.Join(errs...)

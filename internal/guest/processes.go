@@ -121,7 +121,7 @@ func (t *procTable) killAll() {
 	defer t.mu.Unlock()
 	for _, p := range t.procs {
 		if p.running() {
-			killGroup(p.pid, syscall.SIGKILL)
+			_ = killGroup(p.pid, syscall.SIGKILL) // fails only for a process already gone
 		}
 	}
 }
@@ -148,7 +148,7 @@ func (a *Agent) startBackground(cmd *command, req *proto.ExecRequest) (any, erro
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			pump(s.f, exited, func(b []byte) error { s.rg.Write(b); return nil })
+			pump(s.f, exited, func(b []byte) error { _, err := s.rg.Write(b); return err })
 			s.f.Close()
 			s.rg.close()
 		}()
@@ -156,8 +156,9 @@ func (a *Agent) startBackground(cmd *command, req *proto.ExecRequest) (any, erro
 	go func() {
 		st, timedOut := awaitExit(done, pid, req.Timeout, nil)
 		close(exited)
-		std.stdout.SetReadDeadline(time.Now().Add(drainGrace))
-		std.stderr.SetReadDeadline(time.Now().Add(drainGrace))
+		// Pipes, open until the pumps end: setting a deadline cannot fail.
+		_ = std.stdout.SetReadDeadline(time.Now().Add(drainGrace))
+		_ = std.stderr.SetReadDeadline(time.Now().Add(drainGrace))
 		wg.Wait()
 		p.mu.Lock()
 		if p.stdin != nil {
@@ -245,10 +246,12 @@ func (a *Agent) processStdin(ctx context.Context, r *request, args json.RawMessa
 		return nil, errdefs.FailedPrecondition("process %d has no open stdin", p.pid)
 	}
 	if len(req.Data) > 0 {
-		stop := context.AfterFunc(ctx, func() { p.stdin.SetWriteDeadline(time.Now()) })
+		// p.stdin is an open pipe (p.mu held): setting its deadline
+		// cannot fail.
+		stop := context.AfterFunc(ctx, func() { _ = p.stdin.SetWriteDeadline(time.Now()) })
 		_, err := p.stdin.Write(req.Data)
 		stop()
-		p.stdin.SetWriteDeadline(time.Time{})
+		_ = p.stdin.SetWriteDeadline(time.Time{})
 		if err != nil {
 			return nil, errdefs.FailedPrecondition("write stdin of process %d: %w", p.pid, err)
 		}

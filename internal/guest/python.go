@@ -371,7 +371,7 @@ func (in *interp) send(p *pyProc, req pyReq) (int64, error) {
 // kill ends p and waits for it to be reaped; a new process starts on the
 // next acquire (and now, so that it preloads meanwhile).
 func (in *interp) kill(p *pyProc) {
-	killGroup(p.pid, syscall.SIGKILL)
+	_ = killGroup(p.pid, syscall.SIGKILL) // fails only for a process already gone
 	<-p.dead
 	go func() {
 		for range p.msgs { // let the reply reader reach EOF
@@ -446,7 +446,7 @@ func (in *interp) stop() {
 	p := in.cur
 	in.mu.Unlock()
 	if p != nil && !p.isDead() {
-		killGroup(p.pid, syscall.SIGKILL)
+		_ = killGroup(p.pid, syscall.SIGKILL) // fails only for a process already gone
 		<-p.dead
 	}
 }

@@ -123,7 +123,11 @@ func (e *Engine) CreateSnapshot(ctx context.Context, spec SnapshotSpec) (*snapsh
 	if err != nil {
 		return nil, err
 	}
-	defer w.Abort() // no-op after Commit
+	defer func() {
+		if err := w.Abort(); err != nil { // no-op after Commit
+			e.log.Warn("discard staging snapshot", "snapshot", spec.Tag, "err", err)
+		}
+	}()
 	id := "build-" + newID()[3:]
 	bootSpec := vmm.BootSpec{
 		Name:       id,

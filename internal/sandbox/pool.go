@@ -76,7 +76,7 @@ func (p *pool) take(snap *snapshot.Snapshot, spec ForkSpec) *parkedVMM {
 			p.hits++
 			return pk
 		}
-		p.bg.Go(func() { p.discard(pk) })
+		p.bg.Go(func() { p.discardLogged(pk) })
 	}
 	return nil
 }
@@ -85,7 +85,11 @@ func (p *pool) take(snap *snapshot.Snapshot, spec ForkSpec) *parkedVMM {
 // must not wait for another snapshot's VMMs to be discarded.
 func (p *pool) dropLater(tags []string) {
 	if len(tags) > 0 {
-		p.bg.Go(func() { p.dropTags(tags) })
+		p.bg.Go(func() {
+			if err := p.dropTags(tags); err != nil {
+				p.e.log.Warn("discard parked VMMs", "snapshots", tags, "err", err)
+			}
+		})
 	}
 }
 
@@ -181,7 +185,7 @@ func (p *pool) refill(snap *snapshot.Snapshot) {
 			}
 			p.mu.Unlock()
 			if pk != nil { // the tag was dropped meanwhile
-				p.discard(pk)
+				p.discardLogged(pk)
 				return
 			}
 		}
@@ -251,6 +255,13 @@ func (p *pool) discard(pk *parkedVMM) error {
 		return fmt.Errorf("discard parked VMM %s: %w", pk.sb.ID, err)
 	}
 	return nil
+}
+
+// discardLogged is discard where nobody waits for the error: it logs it.
+func (p *pool) discardLogged(pk *parkedVMM) {
+	if err := p.discard(pk); err != nil {
+		p.e.log.Warn("discard parked VMM", "snapshot", pk.snap.Tag, "err", err)
+	}
 }
 
 // drop discards tag's parked VMMs and stops refilling them (before the

@@ -54,8 +54,7 @@ func (s *Store) Create(tag string) (*Writer, error) {
 	w := &Writer{store: s, tag: tag, dir: dir, lock: lock}
 	md := Metadata{FormatVersion: FormatVersion, Tag: tag, Status: StatusWriting, Created: time.Now().UTC()}
 	if err := fsutil.WriteJSON(filepath.Join(dir, MetadataFile), md, 0o600); err != nil {
-		w.Abort()
-		return nil, err
+		return nil, w.abort(err)
 	}
 	return w, nil
 }
@@ -88,25 +87,21 @@ func (w *Writer) Commit(md Metadata) (*Snapshot, error) {
 	}
 	for _, name := range []string{MemoryFile, StateFile} {
 		if err := fsutil.SyncFile(filepath.Join(w.dir, name)); err != nil {
-			w.Abort()
-			return nil, fmt.Errorf("snapshot %q: %w", w.tag, err)
+			return nil, w.abort(fmt.Errorf("snapshot %q: %w", w.tag, err))
 		}
 	}
 	if err := identifyInputs(&md, w.MemoryPath(), w.StatePath()); err != nil {
-		w.Abort()
-		return nil, fmt.Errorf("snapshot %q: %w", w.tag, err)
+		return nil, w.abort(fmt.Errorf("snapshot %q: %w", w.tag, err))
 	}
 	if err := fsutil.WriteJSON(filepath.Join(w.dir, MetadataFile), md, 0o600); err != nil {
-		w.Abort()
-		return nil, err
+		return nil, w.abort(err)
 	}
 	final := filepath.Join(w.store.root, w.tag)
 	if err := unix.Renameat2(unix.AT_FDCWD, w.dir, unix.AT_FDCWD, final, unix.RENAME_NOREPLACE); err != nil {
-		w.Abort()
 		if errors.Is(err, unix.EEXIST) || errors.Is(err, unix.ENOTEMPTY) {
-			return nil, errdefs.AlreadyExists("snapshot %q already exists", w.tag)
+			return nil, w.abort(errdefs.AlreadyExists("snapshot %q already exists", w.tag))
 		}
-		return nil, fmt.Errorf("commit snapshot %q: %w", w.tag, err)
+		return nil, w.abort(fmt.Errorf("commit snapshot %q: %w", w.tag, err))
 	}
 	w.done = true
 	w.lock.Close()
@@ -124,5 +119,14 @@ func (w *Writer) Abort() error {
 	w.done = true
 	err := os.RemoveAll(w.dir)
 	w.lock.Close()
+	return err
+}
+
+// abort is Abort after a failure err, which it returns, joined with
+// Abort's own error when the staging directory could not be removed.
+func (w *Writer) abort(err error) error {
+	if aerr := w.Abort(); aerr != nil {
+		return errors.Join(err, fmt.Errorf("discard staging snapshot %q: %w", w.tag, aerr))
+	}
 	return err
 }

@@ -34,7 +34,7 @@ func (g *Group) Destroy() error {
 	// The manager's parent directory goes with its last group; it fails
 	// harmlessly while other groups (or other processes' groups) are in it.
 	for _, d := range g.dirs() {
-		unix.Rmdir(filepath.Dir(d)) // never recursive, even in tests
+		_ = unix.Rmdir(filepath.Dir(d)) // never recursive, even in tests
 	}
 	return nil
 }
@@ -63,7 +63,9 @@ func (m *Manager) removeDir(dir string, deadline time.Time) error {
 	}
 	for {
 		if exists(dir, "cgroup.kill") {
-			write(dir, "cgroup.kill", "1") // v2 (5.14+): kills atomically
+			// v2 (5.14+): kills atomically. On failure killAll still kills
+			// each process, and rmdir reports what stays.
+			_ = write(dir, "cgroup.kill", "1")
 		}
 		killAll(dir)
 		err := m.rmdir(dir)
@@ -95,7 +97,9 @@ func killAll(dir string) {
 			continue
 		}
 		if now, err := readPIDs(dir); err == nil && slices.Contains(now, pid) {
-			unix.PidfdSendSignal(fd, unix.SIGKILL, nil, 0)
+			// Fails for a process already gone; one that stays keeps
+			// the group busy, which removeDir reports.
+			_ = unix.PidfdSendSignal(fd, unix.SIGKILL, nil, 0)
 		}
 		unix.Close(fd)
 	}

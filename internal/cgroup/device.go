@@ -22,8 +22,8 @@ func DeviceOf(path string) (major, minor uint32, err error) {
 	if _, err := os.Stat(sys); err != nil {
 		return 0, 0, fmt.Errorf("device of %s: %d:%d is not a block device (a virtual file system?)", path, major, minor)
 	}
-	if _, err := os.Stat(filepath.Join(sys, "partition")); err != nil {
-		return major, minor, nil
+	if !exists(sys, "partition") {
+		return major, minor, nil // a whole disk
 	}
 	// /sys/dev/block/M:m links to the partition's dir inside its disk's.
 	part, err := filepath.EvalSymlinks(sys)

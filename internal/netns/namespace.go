@@ -122,11 +122,3 @@ func deleteNamed(path string) error {
 	}
 	return errors.Join(errs...)
 }
-
-// notFound classes a missing-file error as NotFound.
-func notFound(err error) error {
-	if errors.Is(err, os.ErrNotExist) {
-		return fmt.Errorf("%w: %w", errdefs.ErrNotFound, err)
-	}
-	return err
-}

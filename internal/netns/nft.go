@@ -324,11 +324,12 @@ func hostTableCurrent(c *nftables.Conn, prefix string, network netip.Prefix) (bo
 		return false, err
 	}
 	t := hostTable(prefix)
+	// A chain that cannot be read is missing: the table is not current,
+	// and rewriting it repairs it (a real netlink failure shows when the
+	// rewrite is flushed).
 	rules, err := c.GetRules(t, &nftables.Chain{Name: chainForward, Table: t})
-	if err != nil {
-		return false, nil // a chain is missing: rewrite
-	}
-	return len(rules) > 0 && string(rules[0].UserData) == hostTag(network), nil
+	current := err == nil && len(rules) > 0 && string(rules[0].UserData) == hostTag(network)
+	return current, nil
 }
 
 // addHostTable queues, on c, the host table: created if missing, its base

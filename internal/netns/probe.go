@@ -22,7 +22,11 @@ func Probe(ctx context.Context, nsDir string) (err error) {
 		return fmt.Errorf("tap devices: %w", err)
 	}
 	path := filepath.Join(nsDir, "forkd-probe-"+strconv.Itoa(os.Getpid()))
-	deleteNamed(path) // a leftover of a crashed probe
+	// A leftover of a crashed probe; one that cannot go would only make
+	// createNamed fail, less clearly.
+	if err := deleteNamed(path); err != nil {
+		return err
+	}
 	if err := createNamed(path); err != nil {
 		return err
 	}

@@ -198,7 +198,7 @@ func Run(ctx context.Context, e *sandbox.Engine, o Options) (*Result, error) {
 		return nil, err
 	}
 	r.SnapshotMS = msSince(start)
-	defer e.RemoveSnapshot(tag)
+	defer func() { cleanupFailed(o, "remove snapshot "+tag, e.RemoveSnapshot(tag)) }()
 
 	if err := warmFork(ctx, e, sandbox.ForkSpec{Tag: tag, N: 1}); err != nil {
 		return nil, err
@@ -211,7 +211,8 @@ func Run(ctx context.Context, e *sandbox.Engine, o Options) (*Result, error) {
 	defer func() {
 		kctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Minute)
 		defer cancel()
-		e.KillAll(kctx, tag)
+		_, err := e.KillAll(kctx, tag)
+		cleanupFailed(o, "kill the children of "+tag, err)
 	}()
 	r.ForkNWallMS = fr.WallMS
 	var ready []float64
@@ -286,6 +287,14 @@ func Run(ctx context.Context, e *sandbox.Engine, o Options) (*Result, error) {
 	return r, nil
 }
 
+// cleanupFailed reports on o.Progress a cleanup step that failed (err not
+// nil): the measurements stand, but what the run made may be left over.
+func cleanupFailed(o Options, what string, err error) {
+	if err != nil {
+		fmt.Fprintf(o.Progress, "bench: cleanup: %s: %v\n", what, err)
+	}
+}
+
 // coldBoot boots n VMs from img at once (bounded like forks are), each with
 // anonymous RAM, and returns each one's time until its agent answered init
 // (which, for a Python image, waits for the warm interpreter).
@@ -319,7 +328,7 @@ func coldBoot(ctx context.Context, e *sandbox.Engine, img *image.Image, o Option
 			defer func() {
 				sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
 				defer cancel()
-				m.Stop(sctx)
+				cleanupFailed(o, "stop "+spec.Name, m.Stop(sctx))
 			}()
 			bctx, cancel := context.WithTimeout(ctx, 5*time.Minute)
 			defer cancel()
@@ -412,7 +421,7 @@ func isolatedFork(ctx context.Context, e *sandbox.Engine, img *image.Image, o Op
 	if _, err := e.CreateSnapshot(ctx, sandbox.SnapshotSpec{Tag: tag, Built: img, MemoryMiB: o.MemoryMiB, Network: true}); err != nil {
 		return err
 	}
-	defer e.RemoveSnapshot(tag)
+	defer func() { cleanupFailed(o, "remove snapshot "+tag, e.RemoveSnapshot(tag)) }()
 	spec := sandbox.ForkSpec{Tag: tag, N: o.N, Metadata: map[string]string{"origin": "bench"},
 		Limits: &state.Limits{MemoryMiB: int64(o.MemoryMiB) + 256, CPUs: 1, PIDs: 256}}
 	if err := warmFork(ctx, e, sandbox.ForkSpec{Tag: tag, N: 1, Limits: spec.Limits}); err != nil {
@@ -424,7 +433,10 @@ func isolatedFork(ctx context.Context, e *sandbox.Engine, img *image.Image, o Op
 	}
 	kctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Minute)
 	defer cancel()
-	defer e.KillAll(kctx, tag)
+	defer func() {
+		_, err := e.KillAll(kctx, tag)
+		cleanupFailed(o, "kill the children of "+tag, err)
+	}()
 	var ready []float64
 	for _, c := range fr.Children {
 		ready = append(ready, c.ReadyMS)

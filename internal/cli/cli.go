@@ -170,9 +170,6 @@ func (g *globals) logger() *slog.Logger {
 	return slog.New(slog.NewTextHandler(g.stderr, &slog.HandlerOptions{Level: lvl}))
 }
 
-// engine opens the sandbox engine for a CLI command.
-func (g *globals) engine() (*sandbox.Engine, error) { return g.openEngine(nil) }
-
 // openEngine opens the sandbox engine; tune, if set, adjusts its config.
 func (g *globals) openEngine(tune func(*sandbox.Config)) (*sandbox.Engine, error) {
 	dir, err := g.resolveDataDir()
@@ -257,4 +254,12 @@ func writeJSON(w io.Writer, v any) error {
 	enc := json.NewEncoder(w)
 	enc.SetIndent("", "  ")
 	return enc.Encode(v)
+}
+
+// requireFlag marks cmd's flag name, defined just before, as required.
+// Cobra fails only for a name the command does not define: a bug.
+func requireFlag(cmd *cobra.Command, name string) {
+	if err := cmd.MarkFlagRequired(name); err != nil {
+		panic(err)
+	}
 }

@@ -36,9 +36,11 @@ func newDoctorCmd(g *globals) *cobra.Command {
 				if err != nil {
 					return err
 				}
-				g.stdout.Write(append(b, '\n'))
-			} else {
-				rep.WriteText(g.stdout)
+				if _, err := g.stdout.Write(append(b, '\n')); err != nil {
+					return err
+				}
+			} else if err := rep.WriteText(g.stdout); err != nil {
+				return err
 			}
 			if rep.Failed() {
 				return &exitError{code: 1}

@@ -49,6 +49,6 @@ func newFromImageCmd(g *globals) *cobra.Command {
 	f.IntVar(&req.MemoryMiB, "mem-size-mib", 256, "guest RAM in MiB")
 	f.IntVar(&req.VCPUs, "vcpus", 1, "guest vCPUs")
 	f.StringArrayVar(&req.Warmup, "warmup", nil, "shell command to run in the parent before the snapshot (repeatable)")
-	cmd.MarkFlagRequired("tag")
+	requireFlag(cmd, "tag")
 	return cmd
 }

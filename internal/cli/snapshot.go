@@ -50,7 +50,7 @@ func newSnapshotCmd(g *globals) *cobra.Command {
 	f.StringArrayVar(&req.Warmup, "warmup", nil, "shell command to run in the parent before the snapshot (repeatable)")
 	f.BoolVar(&asJSON, "json", false, "print the snapshot as JSON")
 	f.BoolVar(&netFlag, "per-child-netns", false, "give the machine a NIC; every child then gets its own network namespace (default: on as root)")
-	cmd.MarkFlagRequired("tag")
+	requireFlag(cmd, "tag")
 	return cmd
 }
 

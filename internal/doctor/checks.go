@@ -463,7 +463,7 @@ func (r *run) dataDir(ctx context.Context) Check {
 	free := fs.Bavail * uint64(fs.Bsize)
 	detail += fmt.Sprintf(", %.1f GiB free", float64(free)/(1<<30))
 	switch {
-	case int64(fs.Type) == tmpfsMagic || int64(fs.Type) == ramfsMagic:
+	case fs.Type == tmpfsMagic || fs.Type == ramfsMagic:
 		return Check{Status: Warn, Detail: detail + ", on tmpfs: snapshot memory files grow as children touch pages the parent never wrote, and are lost at reboot",
 			Hint: "put the data dir on a disk filesystem (ext4, xfs)"}
 	case free < 1<<30:

@@ -30,15 +30,16 @@ type auditEntry struct {
 	Caller    string    `json:"caller"`
 }
 
-func (a *auditLog) write(e auditEntry) {
+func (a *auditLog) write(e auditEntry) error {
 	if a.w == nil {
-		return
+		return nil
 	}
 	b, _ := json.Marshal(e)
 	b = append(b, '\n')
 	a.mu.Lock()
-	a.w.Write(b)
-	a.mu.Unlock()
+	defer a.mu.Unlock()
+	_, err := a.w.Write(b)
+	return err
 }
 
 // statusWriter records what a handler wrote.
@@ -88,7 +89,8 @@ func (s *Server) middleware(next http.Handler) http.Handler {
 		defer func() {
 			s.metrics.inFlight.Dec()
 			p := recover()
-			cut := p == http.ErrAbortHandler
+			abort := p == http.ErrAbortHandler //nolint:errorlint // a recover() value, compared as net/http does
+			cut := abort
 			if p != nil && !cut {
 				s.log.Error("handler panic", "route", ri.route, "panic", p)
 				if sw.wrote {
@@ -111,11 +113,14 @@ func (s *Server) middleware(next http.Handler) http.Handler {
 			}
 			s.metrics.requests.WithLabelValues(route, strconv.Itoa(status)).Inc()
 			s.metrics.latency.WithLabelValues(route).Observe(lat.Seconds())
-			s.audit.write(auditEntry{
+			err := s.audit.write(auditEntry{
 				Time: start.UTC(), Method: r.Method, Path: r.URL.Path, Route: ri.route, Status: status,
 				LatencyMS: float64(lat.Microseconds()) / 1000, Bytes: sw.bytes, Caller: ri.caller,
 			})
-			if p == http.ErrAbortHandler {
+			if err != nil {
+				s.log.Warn("write audit log", "route", route, "err", err)
+			}
+			if abort {
 				panic(p)
 			}
 		}()

@@ -145,7 +145,8 @@ func connContext(ctx context.Context, c net.Conn) context.Context {
 	if uc, ok := c.(*net.UnixConn); ok {
 		p.unix = true
 		if raw, err := uc.SyscallConn(); err == nil {
-			raw.Control(func(fd uintptr) {
+			// On failure uid stays -1, which authenticate refuses.
+			_ = raw.Control(func(fd uintptr) {
 				if cred, err := unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED); err == nil {
 					p.uid = int(cred.Uid)
 				}

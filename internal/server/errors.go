@@ -64,5 +64,5 @@ func writeJSON(w http.ResponseWriter, status int, v any) {
 	}
 	enc := json.NewEncoder(w)
 	enc.SetEscapeHTML(false)
-	enc.Encode(v) // a failed write means the caller left
+	_ = enc.Encode(v) // a failed write means the caller left
 }

@@ -2,6 +2,7 @@ package server
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net/http"
 	"testing"
@@ -39,7 +40,7 @@ func TestErrorRoundTrip(t *testing.T) {
 				t.Errorf("code %q, want %q", w.Code, tc.code)
 			}
 			back := errdefs.FromCode(w.Code, w.Message)
-			if want := errdefs.Class(tc.err); want != nil && errdefs.Class(back) != want {
+			if want := errdefs.Class(tc.err); want != nil && !errors.Is(errdefs.Class(back), want) {
 				t.Errorf("read back as class %v, want %v", errdefs.Class(back), want)
 			}
 			if back.Error() != tc.err.Error() {

@@ -135,7 +135,9 @@ func (es *eventStream) output(typ string) io.Writer {
 // fail ends a stream with an error event.
 func (es *eventStream) fail(err error) {
 	e := wireError(err)
-	es.send(apiv1.StreamEvent{Type: apiv1.EventError, Error: &e})
+	// The stream started already: a failed send means the caller left,
+	// and there is nobody else to tell.
+	_ = es.send(apiv1.StreamEvent{Type: apiv1.EventError, Error: &e})
 }
 
 type writerFunc func([]byte) (int, error)
@@ -184,7 +186,7 @@ func (s *Server) execStream(w http.ResponseWriter, r *http.Request) error {
 			return nil
 		}
 		er := request.ExecResult(res)
-		es.send(apiv1.StreamEvent{Type: apiv1.EventExit, Exec: &er})
+		_ = es.send(apiv1.StreamEvent{Type: apiv1.EventExit, Exec: &er}) // a failure means the caller left
 		return nil
 	})
 }
@@ -223,7 +225,7 @@ func (s *Server) evalStream(w http.ResponseWriter, r *http.Request) error {
 			return nil
 		}
 		er := request.EvalResult(res)
-		es.send(apiv1.StreamEvent{Type: apiv1.EventResult, Eval: &er})
+		_ = es.send(apiv1.StreamEvent{Type: apiv1.EventResult, Eval: &er}) // a failure means the caller left
 		return nil
 	})
 }

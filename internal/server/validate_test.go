@@ -16,7 +16,7 @@ import (
 func TestQueryParametersChecked(t *testing.T) {
 	d := startDaemon(t, fakeNoVMs{}, sandbox.Admission{}, nil)
 	for _, c := range []struct{ path, want string }{
-		{"/v1/sandboxes?status=runing", `status "runing": want one of starting, running`},
+		{"/v1/sandboxes?status=runing", `status "runing": want one of starting, running`}, //nolint:misspell // the misspelled status is the input under test
 		{"/v1/sandboxes?stauts=running", `unknown query parameter "stauts": want one of snapshot, metadata, status`},
 		{"/v1/snapshots?all=1", `unknown query parameter "all"`},
 		{"/v1/sandboxes/sb-aaaaaaaaaa/files/stat?path=/x&recursive=1", `want one of path`},

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"compress/gzip"
 	"context"
+	"errors"
 	"io"
 	"os"
 	"os/exec"
@@ -42,7 +43,7 @@ func readInitramfs(t *testing.T, path string) map[string]cpio.Header {
 	out := map[string]cpio.Header{}
 	for {
 		h, err := r.Next()
-		if err == io.EOF {
+		if errors.Is(err, io.EOF) {
 			return out
 		}
 		if err != nil {

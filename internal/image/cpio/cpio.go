@@ -292,7 +292,7 @@ func (r *Reader) Read(p []byte) (int, error) {
 	n, err := r.r.Read(p)
 	r.n += int64(n)
 	r.remain -= int64(n)
-	if err == io.EOF && r.remain > 0 {
+	if errors.Is(err, io.EOF) && r.remain > 0 {
 		err = fmt.Errorf("%w: unexpected end of data", ErrFormat)
 	}
 	return n, err

@@ -99,7 +99,7 @@ func TestRoundTrip(t *testing.T) {
 			t.Errorf("%s: data %q, want %q", h.Name, data, want.data)
 		}
 	}
-	if _, err := r.Next(); err != io.EOF {
+	if _, err := r.Next(); !errors.Is(err, io.EOF) {
 		t.Fatalf("after last member: %v, want io.EOF", err)
 	}
 }
@@ -194,7 +194,7 @@ func TestGNUCpio(t *testing.T) {
 	seen := map[string]string{}
 	for {
 		h, err := r.Next()
-		if err == io.EOF {
+		if errors.Is(err, io.EOF) {
 			break
 		}
 		if err != nil {

@@ -129,7 +129,7 @@ func applyLayer(ctx context.Context, t *rootfs.Tree, r io.Reader, o ApplyOptions
 			return err
 		}
 		hdr, err := tr.Next()
-		if err == io.EOF {
+		if errors.Is(err, io.EOF) {
 			return nil
 		}
 		if err != nil {

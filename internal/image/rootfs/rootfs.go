@@ -204,7 +204,7 @@ func treeUsage(dir string) (bytes, inodes int64, err error) {
 		}
 		st, ok := fi.Sys().(*syscall.Stat_t)
 		if ok && st.Nlink > 1 && !d.IsDir() {
-			k := ino{uint64(st.Dev), st.Ino}
+			k := ino{st.Dev, st.Ino}
 			if seen[k] {
 				return nil
 			}

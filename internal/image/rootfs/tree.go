@@ -381,7 +381,7 @@ func (t *Tree) Remove(name string) error {
 	}
 	defer unix.Close(dfd)
 	err = unix.Unlinkat(dfd, base, 0)
-	if err == unix.EISDIR {
+	if errors.Is(err, unix.EISDIR) {
 		err = unix.Unlinkat(dfd, base, unix.AT_REMOVEDIR)
 	}
 	return t.err0("remove", name, err)
@@ -404,10 +404,10 @@ func (t *Tree) RemoveAll(name string) error {
 
 func removeAllAt(dfd int, name string) error {
 	err := unix.Unlinkat(dfd, name, 0)
-	if err == nil || err == unix.ENOENT {
+	if err == nil || errors.Is(err, unix.ENOENT) {
 		return nil
 	}
-	if err != unix.EISDIR {
+	if !errors.Is(err, unix.EISDIR) {
 		return err
 	}
 	fd, err := unix.Openat(dfd, name, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
@@ -428,7 +428,7 @@ func removeAllAt(dfd int, name string) error {
 	}
 	f.Close()
 	err = unix.Unlinkat(dfd, name, unix.AT_REMOVEDIR)
-	if err == unix.ENOENT {
+	if errors.Is(err, unix.ENOENT) {
 		return nil
 	}
 	return err

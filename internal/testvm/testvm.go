@@ -151,7 +151,9 @@ func EngineWith(t testing.TB, tune func(*sandbox.Config)) *sandbox.Engine {
 	t.Cleanup(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 		defer cancel()
-		e.KillAll(ctx, "")
+		if _, err := e.KillAll(ctx, ""); err != nil {
+			t.Logf("KillAll: %v", err)
+		}
 		e.Close()
 	})
 	return e

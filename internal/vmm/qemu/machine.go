@@ -3,6 +3,7 @@ package qemu
 import (
 	"bufio"
 	"context"
+	"errors"
 	"fmt"
 	"net"
 	"os"
@@ -44,7 +45,8 @@ func newChild(b *Backend, cmd *exec.Cmd, runDir string, cfg machineConfig) *Mach
 	go func() {
 		err := cmd.Wait()
 		st := vmm.ExitStatus{Exited: true, Known: true, ExitedAt: time.Now()}
-		if ee, ok := err.(*exec.ExitError); ok {
+		var ee *exec.ExitError
+		if errors.As(err, &ee) {
 			if ws, ok := ee.Sys().(syscall.WaitStatus); ok && ws.Signaled() {
 				st.Signal = ws.Signal().String()
 			} else {
@@ -132,9 +134,14 @@ func (m *Machine) fail(err error) error {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	m.Stop(ctx)
+	serr := m.Stop(ctx)
 	if dead {
-		return fmt.Errorf("%w (qemu: %s)", err, words)
+		err = fmt.Errorf("%w (qemu: %s)", err, words)
+	}
+	if serr != nil {
+		// A QEMU left running (or its run dir left behind) must not go
+		// unseen; err keeps its class.
+		err = fmt.Errorf("%w (and stopping it: %v)", err, serr)
 	}
 	return err
 }

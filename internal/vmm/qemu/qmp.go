@@ -56,7 +56,9 @@ func dialQMP(ctx context.Context, path string, exited func() bool) (*qmp, error)
 		}
 	}
 	q := &qmp{conn: conn, r: bufio.NewReaderSize(conn, 64<<10)}
-	stop := context.AfterFunc(ctx, func() { conn.SetDeadline(time.Now()) })
+	// Deadlines fail only on a closed connection, where the I/O they
+	// bound fails too.
+	stop := context.AfterFunc(ctx, func() { _ = conn.SetDeadline(time.Now()) })
 	defer stop()
 	var greet qmpReply
 	if err := q.read(&greet); err != nil {
@@ -100,12 +102,14 @@ func (q *qmp) execute(ctx context.Context, cmd string, args, out any, fd int) er
 	if err != nil {
 		return err
 	}
+	// Deadlines fail only on a closed connection, where the I/O they
+	// bound fails too.
 	if dl, ok := ctx.Deadline(); ok {
-		q.conn.SetDeadline(dl)
+		_ = q.conn.SetDeadline(dl)
 	} else {
-		q.conn.SetDeadline(time.Time{})
+		_ = q.conn.SetDeadline(time.Time{})
 	}
-	stop := context.AfterFunc(ctx, func() { q.conn.SetDeadline(time.Now()) })
+	stop := context.AfterFunc(ctx, func() { _ = q.conn.SetDeadline(time.Now()) })
 	defer stop()
 	var oob []byte
 	if fd >= 0 {

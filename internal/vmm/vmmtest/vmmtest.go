@@ -75,7 +75,7 @@ func (s *suite) boot(t *testing.T, memFile string) vmm.Machine {
 	if err != nil {
 		t.Fatalf("Boot: %v", err)
 	}
-	t.Cleanup(func() { stop(m) })
+	t.Cleanup(func() { stop(t, m) })
 	if err := s.env.Probe(ctx, m); err != nil {
 		b, _ := os.ReadFile(spec.ConsoleLog)
 		t.Fatalf("probe after boot: %v\nconsole:\n%s", err, b)
@@ -83,10 +83,14 @@ func (s *suite) boot(t *testing.T, memFile string) vmm.Machine {
 	return m
 }
 
-func stop(m vmm.Machine) {
+// stop stops m, logging a failure: it is teardown (processDeath checks
+// Stop itself).
+func stop(t *testing.T, m vmm.Machine) {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	m.Stop(ctx)
+	if err := m.Stop(ctx); err != nil {
+		t.Logf("Stop: %v", err)
+	}
 }
 
 func (s *suite) bootProbeStop(t *testing.T) {
@@ -181,7 +185,7 @@ func (s *suite) restore(t *testing.T, tmpl vmm.RestoreSpec) vmm.Machine {
 	if err != nil {
 		t.Fatalf("Restore: %v", err)
 	}
-	t.Cleanup(func() { stop(m) })
+	t.Cleanup(func() { stop(t, m) })
 	if err := s.env.Probe(ctx, m); err != nil {
 		t.Fatalf("probe after restore: %v", err)
 	}
@@ -222,10 +226,12 @@ func (s *suite) snapshotRestore(t *testing.T) {
 		}
 		c, err := p.Restore(ctx, tmpl)
 		if err != nil {
-			p.Discard(ctx)
+			if derr := p.Discard(ctx); derr != nil {
+				t.Logf("Discard: %v", derr)
+			}
 			t.Fatalf("parked Restore: %v", err)
 		}
-		t.Cleanup(func() { stop(c) })
+		t.Cleanup(func() { stop(t, c) })
 		if err := s.env.Probe(ctx, c); err != nil {
 			t.Fatalf("probe of parked restore: %v", err)
 		}
@@ -233,8 +239,8 @@ func (s *suite) snapshotRestore(t *testing.T) {
 			t.Fatalf("second parked Restore = %v, want FailedPrecondition", err)
 		}
 	}
-	stop(a)
-	stop(b)
+	stop(t, a)
+	stop(t, b)
 	if after := testutil.FileSHA256(t, tmpl.MemoryFile); after != before {
 		t.Fatal("memory file changed while children ran")
 	}
@@ -271,7 +277,9 @@ func (s *suite) restoreFailures(t *testing.T) {
 	tmpl := s.snapshot(t)
 	ctx := ctxFor(t, 2*time.Minute)
 	garbage := filepath.Join(s.env.Dir, "garbage.state")
-	os.WriteFile(garbage, []byte("this is not device state"), 0o600)
+	if err := os.WriteFile(garbage, []byte("this is not device state"), 0o600); err != nil {
+		t.Fatal(err)
+	}
 	cases := map[string]func(*vmm.RestoreSpec){
 		"garbage state":  func(r *vmm.RestoreSpec) { r.StateFile = garbage },
 		"missing state":  func(r *vmm.RestoreSpec) { r.StateFile = garbage + ".missing" },
@@ -285,7 +293,7 @@ func (s *suite) restoreFailures(t *testing.T) {
 		mutate(&spec)
 		m, err := s.env.Backend.Restore(ctx, spec)
 		if err == nil {
-			stop(m)
+			stop(t, m)
 			t.Errorf("%s: Restore succeeded", name)
 			continue
 		}
@@ -298,7 +306,9 @@ func (s *suite) restoreFailures(t *testing.T) {
 func (s *suite) processDeath(t *testing.T) {
 	m := s.boot(t, "")
 	ctx := ctxFor(t, time.Minute)
-	syscall.Kill(m.Handle().Process.PID, syscall.SIGKILL)
+	if err := syscall.Kill(m.Handle().Process.PID, syscall.SIGKILL); err != nil {
+		t.Fatalf("kill -9: %v", err)
+	}
 	st, err := m.Wait(ctx)
 	if err != nil || !st.Exited {
 		t.Fatalf("Wait after kill -9 = %+v, %v", st, err)

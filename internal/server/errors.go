@@ -25,17 +25,18 @@ var statuses = map[error]int{
 	errdefs.ErrDeadlineExceeded:   http.StatusGatewayTimeout,
 }
 
-// httpStatus maps an error to its HTTP status: by its class, else 413 for
-// a body over its limit, 504 for a deadline, 500 for the rest.
+// httpStatus maps an error to its HTTP status: 413 for a body over its
+// limit, else by its class, else 504 for a deadline, 500 for the rest.
 func httpStatus(err error) int {
+	// A body over its limit is an invalid argument, told apart as 413.
+	var tooBig *http.MaxBytesError
+	if errors.As(err, &tooBig) {
+		return http.StatusRequestEntityTooLarge
+	}
 	if st, ok := statuses[errdefs.Class(err)]; ok {
 		return st
 	}
-	var tooBig *http.MaxBytesError
-	switch {
-	case errors.As(err, &tooBig):
-		return http.StatusRequestEntityTooLarge
-	case errors.Is(err, context.DeadlineExceeded):
+	if errors.Is(err, context.DeadlineExceeded) {
 		return http.StatusGatewayTimeout
 	}
 	return http.StatusInternalServerError

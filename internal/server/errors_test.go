@@ -49,3 +49,15 @@ func TestErrorRoundTrip(t *testing.T) {
 		})
 	}
 }
+
+// TestTooLargeIs413: a body over its limit is an invalid argument, but
+// answers 413, not 400.
+func TestTooLargeIs413(t *testing.T) {
+	err := &tooLarge{mbe: &http.MaxBytesError{Limit: 10}}
+	if !errdefs.IsInvalidArgument(err) {
+		t.Fatalf("class %v", errdefs.Class(err))
+	}
+	if got := httpStatus(err); got != http.StatusRequestEntityTooLarge {
+		t.Fatalf("status %d, want 413", got)
+	}
+}

@@ -244,6 +244,12 @@ type CreateSandboxesRequest struct {
 	// KeepPartial keeps the children that came up when others failed and
 	// reports each failure in Failed.
 	KeepPartial bool `json:"keep_partial,omitempty"`
+	// OnUnresponsive is what happens to a sandbox whose agent stops
+	// answering (a liveness ping unanswered while calls wait): "keep"
+	// marks it "unresponsive" and keeps it for inspection (it turns
+	// "running" again if the agent answers), "kill" kills it; empty
+	// follows the daemon's --unresponsive.
+	OnUnresponsive string `json:"on_unresponsive,omitempty"`
 }
 
 // Limits are a sandbox's resource limits; zero fields set none. Each
@@ -299,12 +305,16 @@ type Sandbox struct {
 	Limits
 	// Network is the sandbox's own network, when its snapshot has one.
 	Network *SandboxNetwork `json:"network,omitempty"`
+	// OnUnresponsive is the sandbox's own unresponsive policy ("" follows
+	// the daemon's).
+	OnUnresponsive string `json:"on_unresponsive,omitempty"`
 }
 
 // SandboxList answers GET /v1/sandboxes. Query parameters filter it:
 // snapshot=TAG, metadata=KEY=VALUE (repeatable; all must match) and
-// status=S (starting, running, building, dead or oom; parked is accepted
-// but matches nothing, as parked VMMs are never listed).
+// status=S (starting, running, unresponsive, building, dead or oom;
+// parked is accepted but matches nothing, as parked VMMs are never
+// listed).
 type SandboxList struct {
 	Sandboxes []Sandbox `json:"sandboxes"`
 }

@@ -53,6 +53,17 @@ type Options struct {
 	// A guest that stops reading for longer stops the Client, so that no
 	// caller stays wedged behind a blocked write.
 	WriteTimeout time.Duration
+	// Silence and ProbeTimeout tune the liveness watch (DefaultSilence,
+	// DefaultProbeTimeout when zero): with calls pending and nothing
+	// received for Silence, the client pings; unanswered for ProbeTimeout,
+	// the agent is reported unresponsive to OnHealth (called on a goroutine
+	// of its own), and responsive again at its next frame. Calls go on
+	// waiting: each is bounded by its own deadline.
+	Silence, ProbeTimeout time.Duration
+	OnHealth              func(Health)
+	// CallGrace is what the host adds to an exec's or an eval's own
+	// timeout before giving up on the guest (DefaultCallGrace when zero).
+	CallGrace time.Duration
 }
 
 // Client is a session with one guest agent. Safe for concurrent use.
@@ -65,6 +76,14 @@ type Client struct {
 	// writeCap, when non-zero, is a UnixNano deadline no write may pass
 	// (set by Close).
 	writeCap atomic.Int64
+
+	// Liveness (liveness.go): the time of the last frame received, and
+	// whether the last probe went unanswered.
+	lastRecv              atomic.Int64
+	unresponsive          atomic.Bool
+	silence, probeTimeout time.Duration
+	callGrace             time.Duration
+	onHealth              func(Health)
 
 	// owed is the connection credit (proto.ConnWindow) read but not yet
 	// returned to the agent; ackWake asks ackLoop to return it.
@@ -119,6 +138,16 @@ func Dial(ctx context.Context, conn net.Conn, opts Options) (*Client, error) {
 	}
 	if c.writeTimeout <= 0 {
 		c.writeTimeout = DefaultWriteTimeout
+	}
+	c.silence, c.probeTimeout, c.onHealth, c.callGrace = opts.Silence, opts.ProbeTimeout, opts.OnHealth, opts.CallGrace
+	if c.callGrace <= 0 {
+		c.callGrace = DefaultCallGrace
+	}
+	if c.silence <= 0 {
+		c.silence = DefaultSilence
+	}
+	if c.probeTimeout <= 0 {
+		c.probeTimeout = DefaultProbeTimeout
 	}
 	c.w = proto.NewWriter(connWriter{c})
 	var nb [16]byte
@@ -192,8 +221,10 @@ func Dial(ctx context.Context, conn net.Conn, opts Options) (*Client, error) {
 	if !stop() {
 		return fail(nil) // ctx ended just now and closed conn
 	}
+	c.lastRecv.Store(time.Now().UnixNano())
 	go c.readLoop(r, nextSeq)
 	go c.ackLoop()
+	go c.watch()
 	return c, nil
 }
 
@@ -318,6 +349,7 @@ func (c *Client) readLoop(r *proto.Reader, nextSeq uint32) {
 			return
 		}
 		nextSeq++
+		c.heard()
 		if f.Type != proto.TypeHelloAck {
 			if c.owed.Add(int64(proto.FrameCost(len(f.Payload)))) >= proto.ConnWindow/4 {
 				select {
@@ -559,8 +591,17 @@ type readError struct{ err error }
 func (e *readError) Error() string { return e.err.Error() }
 func (e *readError) Unwrap() error { return e.err }
 
-// do runs a call without data streams.
+// do runs a call without data streams, bounded by DefaultCallTimeout
+// unless ctx has a deadline.
 func (c *Client) do(ctx context.Context, op string, args, out any) error {
+	ctx, cancel := withDeadline(ctx, DefaultCallTimeout)
+	defer cancel()
+	return c.doUntil(ctx, op, args, out)
+}
+
+// doUntil runs a call without data streams for as long as ctx allows (a
+// wait for a process that may run for hours).
+func (c *Client) doUntil(ctx context.Context, op string, args, out any) error {
 	cl, err := c.start(ctx, op, args)
 	if err != nil {
 		return err

@@ -45,6 +45,13 @@ type ExecRequest struct {
 // (about 2 s at most), then the group is killed. Start helpers that must
 // outlive the call as Background processes.
 func (c *Client) Exec(ctx context.Context, req ExecRequest) (*proto.ExecResult, error) {
+	var cancel context.CancelFunc
+	if req.Background {
+		ctx, cancel = withDeadline(ctx, DefaultCallTimeout) // until it started
+	} else {
+		ctx, cancel = c.callDeadline(ctx, req.Timeout)
+	}
+	defer cancel()
 	wire := proto.ExecRequest{
 		Args: req.Args, Shell: req.Shell, Env: req.Env, Dir: req.Dir, User: req.User,
 		Stdin: req.Stdin != nil, Timeout: req.Timeout, Background: req.Background, Tag: req.Tag,
@@ -114,10 +121,11 @@ func (c *Client) Processes(ctx context.Context) ([]proto.ProcessInfo, error) {
 	return res.Processes, nil
 }
 
-// WaitProcess waits for a process to end and returns its result.
+// WaitProcess waits for a process to end and returns its result, for as
+// long as ctx allows.
 func (c *Client) WaitProcess(ctx context.Context, pid int) (*proto.ExecResult, error) {
 	var res proto.ExecResult
-	if err := c.do(ctx, proto.OpProcessWait, proto.ProcessRef{PID: pid}, &res); err != nil {
+	if err := c.doUntil(ctx, proto.OpProcessWait, proto.ProcessRef{PID: pid}, &res); err != nil {
 		return nil, err
 	}
 	return &res, nil
@@ -176,6 +184,8 @@ func (c *Client) EvalStream(ctx context.Context, req proto.EvalRequest, stdout, 
 		proto.EvalRequest
 		Stream bool `json:"stream,omitempty"`
 	}{req, stdout != nil || stderr != nil}
+	ctx, cancel := c.callDeadline(ctx, req.Timeout)
+	defer cancel()
 	cl, err := c.start(ctx, proto.OpEval, wire)
 	if err != nil {
 		return nil, err

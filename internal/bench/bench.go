@@ -332,7 +332,7 @@ func coldBoot(ctx context.Context, e *sandbox.Engine, img *image.Image, o Option
 			}()
 			bctx, cancel := context.WithTimeout(ctx, 5*time.Minute)
 			defer cancel()
-			c, err := sandbox.DialAgent(bctx, m)
+			c, err := sandbox.DialAgent(bctx, m, agent.Options{})
 			if err != nil {
 				errs[i] = err
 				return

@@ -33,6 +33,7 @@ func (b *batchFlags) register(cmd *cobra.Command, one, many string) {
 	f.Bool("per-child-netns", false, "accepted for scripts written for the original forkd: every child already has its own network namespace")
 	_ = f.MarkHidden("per-child-netns") // just added
 	f.StringArrayVar(&b.meta, "metadata", nil, "KEY=VALUE recorded with each "+one+" (repeatable)")
+	f.StringVar(&b.req.OnUnresponsive, "on-unresponsive", "", "when the "+one+"'s agent stops answering: keep (marked unresponsive) or kill (default: the daemon's --unresponsive, else keep)")
 	requireFlag(cmd, "tag")
 }
 

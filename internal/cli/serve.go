@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"sync"
 	"syscall"
 	"time"
 
@@ -33,6 +34,7 @@ type serveOptions struct {
 	pool                        int
 	maxBody                     int64
 	auditLog, importDir         string
+	unresponsive                string
 	grace                       time.Duration
 }
 
@@ -70,6 +72,7 @@ missing). A non-loopback --listen needs TLS (--tls-cert/--tls-key) unless
 	f.StringVar(&o.auditLog, "audit-log", "", `audit log, one JSON line per request (default <data-dir>/audit.log; "-" for stderr)`)
 	f.BoolVar(&o.allowImageScripts, "allow-image-scripts", false, "let API callers install oci.extra packages, which runs the image's own apt scripts as root on this host (only if every token holder is trusted with root)")
 	f.StringVar(&o.importDir, "import-dir", "", "the only directory whose tarballs and OCI layouts API callers may import (default <data-dir>/imports; other refs must be registry references)")
+	f.StringVar(&o.unresponsive, "unresponsive", sandbox.UnresponsiveKeep, "what happens to a sandbox whose agent stops answering: keep (marked unresponsive, kept for inspection) or kill; a create request's on_unresponsive overrides it")
 	f.DurationVar(&o.grace, "shutdown-grace", 10*time.Second, "time requests in flight get to finish at shutdown, 0 to 1h")
 	return cmd
 }
@@ -113,6 +116,9 @@ func (o serveOptions) validate() error {
 			return errdefs.InvalidArgument("%s %d: want 0 (%s) or %d to %d", c.flag, c.v, c.zero, c.lo, c.hi)
 		}
 		return errdefs.InvalidArgument("%s %d: want %d to %d", c.flag, c.v, c.lo, c.hi)
+	}
+	if err := sandbox.ValidateUnresponsive(o.unresponsive); err != nil {
+		return fmt.Errorf("--unresponsive: %w", err)
 	}
 	if o.grace < 0 || o.grace > maxServeGrace {
 		return errdefs.InvalidArgument("--shutdown-grace %v: want 0 to %v", o.grace, maxServeGrace)
@@ -183,11 +189,14 @@ func serve(ctx context.Context, g *globals, o serveOptions) error {
 	}
 
 	log := g.logger()
+	events := &eventRelay{}
 	e, err := g.openEngine(func(c *sandbox.Config) {
 		c.Daemon = true
 		c.MaxChildren = o.maxPerRequest
 		c.MaxParallel = o.maxParallel
 		c.Pool = o.pool
+		c.Unresponsive = o.unresponsive
+		c.OnEvent = events.send
 		c.Progress = io.Discard
 	})
 	if err != nil {
@@ -226,6 +235,7 @@ func serve(ctx context.Context, g *globals, o serveOptions) error {
 	if err != nil {
 		return err
 	}
+	events.set(srv.Event)
 
 	var lns []net.Listener
 	defer func() {
@@ -359,4 +369,26 @@ func (g *globals) localAPI() (*client.Client, func(), error) {
 		}
 		e.Close()
 	}, nil
+}
+
+// eventRelay passes the engine's events to the server, which is made
+// after the engine. Safe for concurrent use.
+type eventRelay struct {
+	mu sync.Mutex
+	to func(sandbox.Event)
+}
+
+func (r *eventRelay) set(to func(sandbox.Event)) {
+	r.mu.Lock()
+	r.to = to
+	r.mu.Unlock()
+}
+
+func (r *eventRelay) send(ev sandbox.Event) {
+	r.mu.Lock()
+	to := r.to
+	r.mu.Unlock()
+	if to != nil {
+		to(ev)
+	}
 }

@@ -47,7 +47,7 @@ func CheckCPUs(field string, cpus float64) error {
 }
 
 // SandboxStatuses are the statuses GET /v1/sandboxes?status= filters on.
-var SandboxStatuses = []string{state.StatusStarting, state.StatusRunning, state.StatusParked, state.StatusBuilding,
+var SandboxStatuses = []string{state.StatusStarting, state.StatusRunning, state.StatusUnresponsive, state.StatusParked, state.StatusBuilding,
 	state.StatusDead, state.StatusOOM}
 
 // ForkSpec validates a create request into a fork spec. maxN is the
@@ -99,8 +99,11 @@ func ForkSpec(req *apiv1.CreateSandboxesRequest, maxN int) (sandbox.ForkSpec, er
 	if len(md) == 0 {
 		md = nil
 	}
+	if err := sandbox.ValidateUnresponsive(req.OnUnresponsive); err != nil {
+		return spec, fmt.Errorf("on_unresponsive: %w", err)
+	}
 	spec = sandbox.ForkSpec{
-		Tag: req.SnapshotTag, N: n, Metadata: md, KeepPartial: req.KeepPartial,
+		Tag: req.SnapshotTag, N: n, Metadata: md, KeepPartial: req.KeepPartial, OnUnresponsive: req.OnUnresponsive,
 		Timeout: time.Duration(req.TimeoutSecs) * time.Second,
 	}
 	if req.Network != nil {
@@ -165,6 +168,7 @@ func View(sb *state.Sandbox) apiv1.Sandbox {
 	v := apiv1.Sandbox{
 		ID: sb.ID, SnapshotTag: sb.Snapshot, Status: sb.Status, PID: sb.Handle.Process.PID,
 		Created: sb.Created, ReadyMS: sb.ReadyMS, ExpiresAt: sb.ExpiresAt, Metadata: sb.Metadata,
+		OnUnresponsive: sb.OnUnresponsive,
 	}
 	if l := sb.Limits; l != nil {
 		v.MemoryLimitMiB, v.CPUs, v.PIDsLimit = int(l.MemoryMiB), l.CPUs, int(l.PIDs)

@@ -81,7 +81,7 @@ func (a *Admitter) liveLocked() (int, error) {
 		switch sb.Status {
 		case state.StatusStarting:
 			n++
-		case state.StatusRunning:
+		case state.StatusRunning, state.StatusUnresponsive:
 			if proc.Alive(sb.Handle.Process) {
 				n++
 			}

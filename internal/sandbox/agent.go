@@ -31,7 +31,7 @@ func (e *Engine) Agent(ctx context.Context, id string) (c *agent.Client, release
 	if err != nil {
 		return nil, nil, err
 	}
-	if sb.Status != state.StatusRunning {
+	if !state.Live(sb.Status) {
 		return nil, nil, errdefs.FailedPrecondition("sandbox %s is %s", id, sb.Status)
 	}
 	m, err := e.cfg.Backend.Attach(ctx, sb.Handle)
@@ -40,7 +40,7 @@ func (e *Engine) Agent(ctx context.Context, id string) (c *agent.Client, release
 	}
 	dctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
-	c, err = DialAgent(dctx, m)
+	c, err = DialAgent(dctx, m, e.agentOptions(id))
 	if err != nil {
 		return nil, nil, err
 	}

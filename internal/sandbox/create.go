@@ -265,7 +265,7 @@ func (e *Engine) CreateSnapshot(ctx context.Context, spec SnapshotSpec) (*snapsh
 func (e *Engine) warm(ctx context.Context, m vmm.Machine, spec SnapshotSpec, consoleLog string) error {
 	bctx, cancel := context.WithTimeout(ctx, spec.BootTimeout)
 	defer cancel()
-	c, err := DialAgent(bctx, m)
+	c, err := DialAgent(bctx, m, agent.Options{})
 	if err != nil {
 		return fmt.Errorf("parent agent: %w%s", err, consoleTail(consoleLog))
 	}
@@ -296,12 +296,12 @@ func sigSuffix(sig string) string {
 
 // DialAgent connects to a machine's agent and completes the handshake,
 // retrying until ctx ends (the guest may still be booting).
-func DialAgent(ctx context.Context, m vmm.Machine) (*agent.Client, error) {
+func DialAgent(ctx context.Context, m vmm.Machine, opts agent.Options) (*agent.Client, error) {
 	var last error
 	for {
 		conn, err := m.DialAgent(ctx)
 		if err == nil {
-			c, err := agent.Dial(ctx, conn, agent.Options{})
+			c, err := agent.Dial(ctx, conn, opts)
 			if err == nil {
 				return c, nil
 			}

@@ -66,6 +66,17 @@ type Config struct {
 	MaxChildren int
 	// Daemon keeps the state database open and agent connections cached.
 	Daemon bool
+	// Unresponsive is what happens to a sandbox whose agent stops
+	// answering, unless its own policy says otherwise: UnresponsiveKeep
+	// (the default) or UnresponsiveKill.
+	Unresponsive string
+	// Liveness tunes the agents' liveness watch (agent.Options Silence,
+	// ProbeTimeout and CallGrace; zero fields take the agent package's
+	// defaults). For tests.
+	Liveness agent.Options
+	// OnEvent, if set, receives events outside requests (a sandbox found
+	// unresponsive, and so on); it must not block.
+	OnEvent func(Event)
 	// Progress receives human progress lines; may be nil.
 	Progress io.Writer
 	Logger   *slog.Logger
@@ -162,6 +173,12 @@ func New(cfg Config) (*Engine, error) {
 	}
 	if cfg.Progress == nil {
 		cfg.Progress = io.Discard
+	}
+	if cfg.Unresponsive == "" {
+		cfg.Unresponsive = UnresponsiveKeep
+	}
+	if err := ValidateUnresponsive(cfg.Unresponsive); err != nil {
+		return nil, err
 	}
 	if err := os.MkdirAll(cfg.DataDir, 0o700); err != nil {
 		return nil, fmt.Errorf("data dir: %w", err)

@@ -43,6 +43,8 @@ type ForkSpec struct {
 	Net *NetSpec
 	// Limits, if set, caps each child's resources (a cgroup per child).
 	Limits *state.Limits
+	// OnUnresponsive overrides Config.Unresponsive for these children.
+	OnUnresponsive string
 }
 
 // Child is the fate of one child of a batch.
@@ -71,6 +73,9 @@ func (e *Engine) Fork(ctx context.Context, spec ForkSpec) (*ForkResult, error) {
 		return nil, errdefs.InvalidArgument("n = %d: want 1 to %d", spec.N, e.cfg.MaxChildren)
 	}
 	if err := validateMetadata(spec.Metadata); err != nil {
+		return nil, err
+	}
+	if err := ValidateUnresponsive(spec.OnUnresponsive); err != nil {
 		return nil, err
 	}
 	if spec.IDs != nil && len(spec.IDs) != spec.N {
@@ -196,6 +201,8 @@ func (e *Engine) forkOne(ctx context.Context, snap *snapshot.Snapshot, spec Fork
 		Created:  time.Now().UTC(),
 		Metadata: spec.Metadata,
 		Extra:    spec.Extra,
+
+		OnUnresponsive: spec.OnUnresponsive,
 	}
 	if spec.Limits != nil {
 		l := *spec.Limits
@@ -242,7 +249,7 @@ func (e *Engine) forkOne(ctx context.Context, snap *snapshot.Snapshot, spec Fork
 	if err := e.stillStarting(id, func(r *state.Sandbox) { r.Handle = sb.Handle }); err != nil {
 		return fail(err)
 	}
-	client, err := DialAgent(rctx, m)
+	client, err := DialAgent(rctx, m, e.agentOptions(id))
 	if err != nil {
 		return fail(err)
 	}

@@ -222,7 +222,7 @@ func (e *Engine) networked(ctx context.Context, id string) (*state.Sandbox, erro
 	if err != nil {
 		return nil, err
 	}
-	if sb.Status != state.StatusRunning {
+	if !state.Live(sb.Status) {
 		return nil, errdefs.FailedPrecondition("sandbox %s is %s", id, sb.Status)
 	}
 	if sb.Net == nil || e.cfg.Net == nil {

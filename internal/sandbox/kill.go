@@ -110,7 +110,7 @@ func (e *Engine) Get(ctx context.Context, id string) (*state.Sandbox, error) {
 // refresh marks sb dead (or oom, when its cgroup's memory limit killed
 // it) once its VMM process no longer runs, and persists that.
 func (e *Engine) refresh(sb *state.Sandbox) {
-	if sb.Status != state.StatusRunning {
+	if !state.Live(sb.Status) {
 		return
 	}
 	if proc.Alive(sb.Handle.Process) {
@@ -128,7 +128,7 @@ func (e *Engine) refresh(sb *state.Sandbox) {
 	sb.Status = status
 	e.dropClient(sb.ID)
 	if _, err := e.state.Update(sb.ID, func(r *state.Sandbox) error {
-		if r.Status == state.StatusRunning {
+		if state.Live(r.Status) {
 			r.Status = status
 		}
 		return nil

@@ -76,7 +76,7 @@ func (e *Engine) Reconcile(ctx context.Context) (*ReconcileReport, error) {
 			if sb.Status == state.StatusStarting {
 				rep.Aborted = append(rep.Aborted, sb.ID)
 			}
-		case sb.Status == state.StatusRunning && proc.Alive(sb.Handle.Process):
+		case state.Live(sb.Status) && proc.Alive(sb.Handle.Process):
 			owned[sb.Handle.RunDir] = true
 			owners[sb.Handle.Process] = true
 			rep.Adopted = append(rep.Adopted, sb.ID)
@@ -90,7 +90,7 @@ func (e *Engine) Reconcile(ctx context.Context) (*ReconcileReport, error) {
 				errs = append(errs, err)
 			}
 		default:
-			wasRunning := sb.Status == state.StatusRunning
+			wasRunning := state.Live(sb.Status)
 			e.refresh(sb) // dead, or oom: read before the cgroup goes
 			if err := e.release(ctx, sb); err != nil {
 				errs = append(errs, err)
@@ -299,7 +299,7 @@ func (e *Engine) reclaimIsolation(ctx context.Context) error {
 	slots, groups := map[int]bool{}, map[string]bool{}
 	for _, sb := range list {
 		alive := sb.Status == state.StatusStarting || sb.Status == state.StatusBuilding ||
-			(sb.Status == state.StatusRunning && proc.Alive(sb.Handle.Process))
+			(state.Live(sb.Status) && proc.Alive(sb.Handle.Process))
 		if !alive {
 			continue
 		}

@@ -3,6 +3,8 @@ package server
 import (
 	"net/http"
 
+	"github.com/forkd/forkd/internal/sandbox"
+	"github.com/forkd/forkd/internal/state"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
@@ -17,6 +19,7 @@ type metrics struct {
 	failed    prometheus.Counter
 	rejected  prometheus.Counter
 	expired   prometheus.Counter
+	events    *prometheus.CounterVec // kind
 	readyTime prometheus.Histogram
 	handler   http.Handler
 }
@@ -45,6 +48,9 @@ func newMetrics(s *Server, reg *prometheus.Registry) *metrics {
 		expired: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "forkd_sandboxes_expired_total", Help: "Sandboxes killed at their deadline.",
 		}),
+		events: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "forkd_sandbox_events_total", Help: "Events outside requests, by kind: unresponsive, responsive, killed (by the unresponsive policy).",
+		}, []string{"kind"}),
 		readyTime: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name: "forkd_sandbox_ready_seconds", Help: "Time from restore start until a child's agent answered.",
 			Buckets: prometheus.ExponentialBuckets(0.01, 2, 12),
@@ -62,7 +68,19 @@ func newMetrics(s *Server, reg *prometheus.Registry) *metrics {
 		l, _ := s.e.Snapshots().List()
 		return float64(len(l))
 	})
-	reg.MustRegister(m.requests, m.latency, m.inFlight, m.created, m.failed, m.rejected, m.expired, m.readyTime, live, snaps,
+	unresponsive := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name: "forkd_sandboxes_unresponsive", Help: "Sandboxes whose agent stopped answering.",
+	}, func() float64 {
+		l, _ := s.e.State().List()
+		n := 0
+		for _, sb := range l {
+			if sb.Status == state.StatusUnresponsive {
+				n++
+			}
+		}
+		return float64(n)
+	})
+	reg.MustRegister(m.requests, m.latency, m.inFlight, m.created, m.failed, m.rejected, m.expired, m.events, m.readyTime, live, snaps, unresponsive,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	m.handler = promhttp.HandlerFor(reg, promhttp.HandlerOpts{})
 	return m
@@ -72,3 +90,6 @@ func (s *Server) serveMetrics(w http.ResponseWriter, r *http.Request) error {
 	s.metrics.handler.ServeHTTP(w, r)
 	return nil
 }
+
+// Event counts an engine event (sandbox.Config.OnEvent).
+func (s *Server) Event(ev sandbox.Event) { s.metrics.events.WithLabelValues(ev.Kind).Inc() }

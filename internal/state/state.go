@@ -31,9 +31,17 @@ const (
 	// StatusParked is a VMM started ahead of a fork, waiting in a pool.
 	StatusParked  = "parked"
 	StatusRunning = "running"
-	StatusDead    = "dead"
-	StatusOOM     = "oom"
+	// StatusUnresponsive is a running sandbox whose agent stopped
+	// answering (a liveness ping went unanswered); it turns running again
+	// when the agent answers.
+	StatusUnresponsive = "unresponsive"
+	StatusDead         = "dead"
+	StatusOOM          = "oom"
 )
+
+// Live reports whether a sandbox in status is up: running, or running but
+// unresponsive.
+func Live(status string) bool { return status == StatusRunning || status == StatusUnresponsive }
 
 // Sandbox is the persisted record of one sandbox.
 type Sandbox struct {
@@ -53,6 +61,10 @@ type Sandbox struct {
 	// starting, building or parked): such a record belongs to that process
 	// while it lives, and is abandoned once it has gone.
 	Starter *proc.Identity `json:"starter,omitempty"`
+	// OnUnresponsive is what happens when the agent stops answering:
+	// "keep" (mark it, keep it for inspection) or "kill"; "" follows the
+	// engine's default.
+	OnUnresponsive string `json:"on_unresponsive,omitempty"`
 	// Extra holds records owned by other packages, keyed by package.
 	Extra map[string]json.RawMessage `json:"extra,omitempty"`
 }

@@ -54,7 +54,10 @@ func TestCrashAtAnyStepLeavesNothing(t *testing.T) {
 	if _, err := cli.CreateSnapshot(ctx, sandbox.SnapshotSpec{Tag: "crash", Image: "minimal", Network: true}); err != nil {
 		t.Fatal(err)
 	}
-	for _, step := range []string{"recorded", "isolated", "restored", "published", "build"} {
+	// "ready": a child is running when the process dies, its batch not
+	// yet answered; "pool": the same with children taken from parked
+	// VMMs, which come up before the others have started.
+	for _, step := range []string{"recorded", "isolated", "restored", "published", "ready", "pool", "build"} {
 		cmd := exec.Command(os.Args[0], "-test.run=^"+t.Name()+"$", "-test.count=1", "-test.v")
 		cmd.Env = append(os.Environ(), crashEnv+"="+dir+"|"+step)
 		var out strings.Builder
@@ -134,8 +137,12 @@ func buildRecorded(t *testing.T, e *sandbox.Engine) bool {
 // until the test kills it.
 func crashingForkd(t *testing.T, dir, step string) {
 	cfg := testvm.Config(t, dir)
+	at := step
+	if step == "pool" {
+		at = "ready"
+	}
 	cfg.Fault = func(s string) error {
-		if s == step {
+		if s == at {
 			syscall.Kill(os.Getpid(), syscall.SIGKILL)
 			select {}
 		}
@@ -146,9 +153,17 @@ func crashingForkd(t *testing.T, dir, step string) {
 		t.Fatal(err)
 	}
 	ctx := context.Background()
-	if step == "build" {
+	switch step {
+	case "build":
 		_, err = e.CreateSnapshot(ctx, sandbox.SnapshotSpec{Tag: "crash2", Image: "minimal", Network: true})
-	} else {
+	case "pool":
+		// Parked VMMs for every child (children with limits never use
+		// them), as a daemon with --pool keeps.
+		if err := e.PrimePool(ctx, "crash", 3); err != nil {
+			t.Fatal(err)
+		}
+		_, err = e.Fork(ctx, sandbox.ForkSpec{Tag: "crash", N: 3, Net: &sandbox.NetSpec{Publish: []int{80}}})
+	default:
 		_, err = e.Fork(ctx, sandbox.ForkSpec{Tag: "crash", N: 3, Net: &sandbox.NetSpec{Publish: []int{80}},
 			Limits: &state.Limits{MemoryMiB: 512, PIDs: 128}})
 	}

@@ -45,6 +45,8 @@ type ForkSpec struct {
 	Limits *state.Limits
 	// OnUnresponsive overrides Config.Unresponsive for these children.
 	OnUnresponsive string
+
+	batch string // set by Fork: the open batch the children belong to
 }
 
 // Child is the fate of one child of a batch.
@@ -112,6 +114,13 @@ func (e *Engine) Fork(ctx context.Context, spec ForkSpec) (*ForkResult, error) {
 		return nil, errdefs.FailedPrecondition("resource limits need cgroups, which need root")
 	}
 	start := time.Now()
+	// The batch is open until its answer is given: a crash before then
+	// leaves members nobody was told of, which reconcile aborts.
+	batch := &state.Batch{ID: "fb-" + newID()[3:], Starter: starter(), Created: start.UTC()}
+	if err := e.state.PutBatch(batch); err != nil {
+		return nil, err
+	}
+	spec.batch = batch.ID
 	res := &ForkResult{Children: make([]Child, spec.N)}
 	var wg sync.WaitGroup
 	for i := range res.Children {
@@ -145,23 +154,28 @@ func (e *Engine) Fork(ctx context.Context, spec ForkSpec) (*ForkResult, error) {
 		}
 	}
 	if len(errs) == 0 {
-		return res, nil
+		// Answered: the members are ordinary sandboxes from now on (a
+		// member's Batch names a closed batch).
+		return res, e.state.DeleteBatch(batch.ID)
 	}
 	err = &BatchError{Failed: len(errs), N: spec.N, First: errs[0]}
-	if !spec.KeepPartial {
-		kctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Minute)
-		defer cancel()
-		var kerrs []error
-		for _, c := range res.Children {
-			if c.Err == nil {
-				if kerr := e.Kill(kctx, c.ID); kerr != nil {
-					kerrs = append(kerrs, kerr)
-				}
+	if spec.KeepPartial {
+		return res, errors.Join(err, e.state.DeleteBatch(batch.ID))
+	}
+	kctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Minute)
+	defer cancel()
+	var kerrs []error
+	for _, c := range res.Children {
+		if c.Err == nil {
+			if kerr := e.Kill(kctx, c.ID); kerr != nil {
+				kerrs = append(kerrs, kerr)
 			}
 		}
-		return nil, errors.Join(append([]error{err}, kerrs...)...)
 	}
-	return res, err
+	if len(kerrs) == 0 { // else the batch stays open: reconcile finishes it
+		kerrs = append(kerrs, e.state.DeleteBatch(batch.ID))
+	}
+	return nil, errors.Join(append([]error{err}, kerrs...)...)
 }
 
 // Restorable says why children of snap cannot be restored by this engine
@@ -203,6 +217,7 @@ func (e *Engine) forkOne(ctx context.Context, snap *snapshot.Snapshot, spec Fork
 		Extra:    spec.Extra,
 
 		OnUnresponsive: spec.OnUnresponsive,
+		Batch:          spec.batch,
 	}
 	if spec.Limits != nil {
 		l := *spec.Limits
@@ -280,6 +295,10 @@ func (e *Engine) forkOne(ctx context.Context, snap *snapshot.Snapshot, spec Fork
 		}
 		*r = *sb
 	}); err != nil {
+		client.Close()
+		return fail(err)
+	}
+	if err := e.fault("ready"); err != nil {
 		client.Close()
 		return fail(err)
 	}

@@ -24,7 +24,8 @@ type ReconcileReport struct {
 	// Dead: records whose VMM is gone, marked dead, run dir removed.
 	Dead []string `json:"dead"`
 	// Aborted: records of children whose restore never finished (status
-	// starting); their VMM was killed and the record removed.
+	// starting), or whose fork batch was never answered (its starter died
+	// before it closed); their VMM was killed and the record removed.
 	Aborted []string `json:"aborted"`
 	// OrphanProcesses: VMM processes of this data dir that no record owns,
 	// killed.
@@ -51,10 +52,34 @@ func (e *Engine) Reconcile(ctx context.Context) (*ReconcileReport, error) {
 		return nil, err
 	}
 	var errs []error
+	// A fork batch still open whose starter died was never answered:
+	// none of its children, running ones included, was made known.
+	batches, err := e.state.Batches()
+	if err != nil {
+		return nil, err
+	}
+	abandoned := map[string]bool{}
+	for id, b := range batches {
+		if b.Starter == nil || !proc.Alive(*b.Starter) {
+			abandoned[id] = true
+		}
+	}
 	owned := map[string]bool{}         // run dirs records keep
 	owners := map[proc.Identity]bool{} // VMM processes records own
 	for _, sb := range list {
 		switch {
+		case abandoned[sb.Batch] && sb.Status != state.StatusParked:
+			if err := e.stop(ctx, sb); err != nil {
+				errs = append(errs, fmt.Errorf("abort %s of abandoned batch %s: %w", sb.ID, sb.Batch, err))
+				delete(abandoned, sb.Batch) // kept open: the next reconcile retries
+				continue
+			}
+			if err := e.state.Delete(sb.ID); err != nil {
+				errs = append(errs, err)
+				delete(abandoned, sb.Batch)
+				continue
+			}
+			rep.Aborted = append(rep.Aborted, sb.ID)
 		case (sb.Status == state.StatusStarting || sb.Status == state.StatusBuilding) && ownedElsewhere(sb):
 			// Another forkd process (a CLI command) is making it: it is
 			// that process's to finish or undo.
@@ -98,6 +123,11 @@ func (e *Engine) Reconcile(ctx context.Context) (*ReconcileReport, error) {
 			if wasRunning {
 				rep.Dead = append(rep.Dead, sb.ID)
 			}
+		}
+	}
+	for id := range abandoned {
+		if err := e.state.DeleteBatch(id); err != nil {
+			errs = append(errs, err)
 		}
 	}
 	if err := e.reclaimIsolation(ctx); err != nil {

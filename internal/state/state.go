@@ -61,6 +61,9 @@ type Sandbox struct {
 	// starting, building or parked): such a record belongs to that process
 	// while it lives, and is abandoned once it has gone.
 	Starter *proc.Identity `json:"starter,omitempty"`
+	// Batch names the fork batch that made the sandbox while that batch is
+	// open (see Batch): a crash before it closes aborts the sandbox.
+	Batch string `json:"batch,omitempty"`
 	// OnUnresponsive is what happens when the agent stops answering:
 	// "keep" (mark it, keep it for inspection) or "kill"; "" follows the
 	// engine's default.
@@ -100,7 +103,20 @@ type Limits struct {
 	IOWriteBps uint64 `json:"io_write_bps,omitempty"`
 }
 
-var bucketSandboxes = []byte("sandboxes")
+// Batch is an open fork batch: its children are recorded as its members
+// (Sandbox.Batch) before they start, and the batch is deleted once its
+// answer is given. A batch whose starter died before that was never
+// answered, so reconcile aborts every member, running ones included.
+type Batch struct {
+	ID      string         `json:"id"`
+	Starter *proc.Identity `json:"starter,omitempty"`
+	Created time.Time      `json:"created"`
+}
+
+var (
+	bucketSandboxes = []byte("sandboxes")
+	bucketBatches   = []byte("batches")
+)
 
 // Options configure Open.
 type Options struct {
@@ -146,7 +162,10 @@ func (s *Store) open() (*bolt.DB, error) {
 		return nil, fmt.Errorf("open state database: %w", err)
 	}
 	err = db.Update(func(tx *bolt.Tx) error {
-		_, err := tx.CreateBucketIfNotExists(bucketSandboxes)
+		if _, err := tx.CreateBucketIfNotExists(bucketSandboxes); err != nil {
+			return err
+		}
+		_, err := tx.CreateBucketIfNotExists(bucketBatches)
 		return err
 	})
 	if err != nil {
@@ -169,6 +188,11 @@ func (s *Store) Close() error {
 }
 
 func (s *Store) with(write bool, fn func(b *bolt.Bucket) error) error {
+	return s.withTx(write, func(tx *bolt.Tx) error { return fn(tx.Bucket(bucketSandboxes)) })
+}
+
+// withTx runs fn in a transaction over the whole database.
+func (s *Store) withTx(write bool, fn func(*bolt.Tx) error) error {
 	s.mu.Lock()
 	db := s.db
 	s.mu.Unlock()
@@ -180,9 +204,9 @@ func (s *Store) with(write bool, fn func(b *bolt.Bucket) error) error {
 		defer db.Close()
 	}
 	if write {
-		return db.Update(func(tx *bolt.Tx) error { return fn(tx.Bucket(bucketSandboxes)) })
+		return db.Update(fn)
 	}
-	return db.View(func(tx *bolt.Tx) error { return fn(tx.Bucket(bucketSandboxes)) })
+	return db.View(fn)
 }
 
 // Put stores sb, replacing any record with the same ID.
@@ -333,4 +357,34 @@ func (s *Store) Rename(oldID string, sb *Sandbox) error {
 // error.
 func (s *Store) Delete(id string) error {
 	return s.with(true, func(bk *bolt.Bucket) error { return bk.Delete([]byte(id)) })
+}
+
+// PutBatch records an open batch.
+func (s *Store) PutBatch(b *Batch) error {
+	v, err := json.Marshal(b)
+	if err != nil {
+		return err
+	}
+	return s.withTx(true, func(tx *bolt.Tx) error { return tx.Bucket(bucketBatches).Put([]byte(b.ID), v) })
+}
+
+// DeleteBatch closes batch id. Deleting a missing batch is not an error.
+func (s *Store) DeleteBatch(id string) error {
+	return s.withTx(true, func(tx *bolt.Tx) error { return tx.Bucket(bucketBatches).Delete([]byte(id)) })
+}
+
+// Batches returns the open batches by id.
+func (s *Store) Batches() (map[string]*Batch, error) {
+	out := map[string]*Batch{}
+	err := s.withTx(false, func(tx *bolt.Tx) error {
+		return tx.Bucket(bucketBatches).ForEach(func(k, v []byte) error {
+			b := new(Batch)
+			if err := json.Unmarshal(v, b); err != nil {
+				return fmt.Errorf("batch %q: %w", k, err)
+			}
+			out[b.ID] = b
+			return nil
+		})
+	})
+	return out, err
 }

@@ -39,10 +39,17 @@ const (
 	// DefaultWriteTimeout bounds one frame write when Options.WriteTimeout
 	// is zero.
 	DefaultWriteTimeout = 30 * time.Second
-	// maxSkipAfterHello bounds the bytes readLoop lets its Reader skip: the
-	// agent's stream is clean once it has answered, so skipped bytes mean a
+	// After the handshake the Reader may skip bytes only from a budget:
+	// skipped bytes mean bytes were lost (the rest of a torn frame) or a
 	// broken or hostile guest, and each may cost a CRC over a whole frame.
-	maxSkipAfterHello = 4 << 10
+	// The budget starts at skipBudget, refills at skipRefill bytes a second
+	// up to skipBudgetMax; a guest that exhausts it stops the client.
+	skipBudget    = 32 << 10
+	skipBudgetMax = 128 << 10
+	skipRefill    = 4 << 10
+	// resendRetry is how long the client waits for the frames it asked to
+	// be resent before it asks again.
+	resendRetry = time.Second
 )
 
 // Options configures a Client.
@@ -84,6 +91,15 @@ type Client struct {
 	silence, probeTimeout time.Duration
 	callGrace             time.Duration
 	onHealth              func(Health)
+
+	// resendFrom is the sequence number to ask the agent to resend from,
+	// and resendAsk whether to ask (protocol 2); set by readLoop, sent by
+	// ackLoop.
+	resendFrom atomic.Uint32
+	resendAsk  atomic.Bool
+	nextSeq    atomic.Uint32 // readLoop's next expected sequence number
+	busy       chan struct{} // wakes the liveness watch when a call starts
+	resends    atomic.Int64  // resend requests sent
 
 	// owed is the connection credit (proto.ConnWindow) read but not yet
 	// returned to the agent; ackWake asks ackLoop to return it.
@@ -135,6 +151,7 @@ func Dial(ctx context.Context, conn net.Conn, opts Options) (*Client, error) {
 		calls:        map[uint32]*call{},
 		done:         make(chan struct{}),
 		ackWake:      make(chan struct{}, 1),
+		busy:         make(chan struct{}, 1),
 	}
 	if c.writeTimeout <= 0 {
 		c.writeTimeout = DefaultWriteTimeout
@@ -328,27 +345,52 @@ func (w connWriter) Write(p []byte) (int, error) {
 
 // readLoop reads the agent's frames and dispatches them to calls; it never
 // blocks on a call's consumer, so the connection credit it returns flows
-// whatever the callers do. A gap in the agent's sequence numbers (a
-// virtconsole dropped bytes), or more than maxSkipAfterHello bytes of
-// garbage, ends the client.
+// whatever the callers do. A gap in the agent's sequence numbers, or a torn
+// frame (a console dropped bytes), makes it ask the agent to resend from
+// the first frame missing (protocol 2; before it, the client stops), and
+// it drops what arrives out of order meanwhile. Skipping more garbage
+// than the skip budget allows ends the client.
 func (c *Client) readLoop(r *proto.Reader, nextSeq uint32) {
 	var asm proto.Assembler
-	r.MaxSkipped = r.Skipped() + maxSkipAfterHello
+	c.nextSeq.Store(nextSeq)
+	canResend := c.ack.Version >= 2
+	budget, refilled := uint64(skipBudget), time.Now()
+	r.MaxSkipped = r.Skipped() + budget
+	r.OnTorn = func() {
+		if canResend {
+			c.askResend(nextSeq)
+		}
+	}
 	for {
 		f, err := r.Next()
 		if errors.Is(err, proto.ErrSkipLimit) {
-			c.stop(errdefs.Unavailable("agent channel corrupt: more than %d bytes skipped after the handshake", maxSkipAfterHello))
+			c.stop(errdefs.Unavailable("agent channel corrupt: more than %d bytes skipped after the handshake", budget))
 			return
 		}
 		if err != nil {
 			c.stop(errdefs.Unavailable("agent connection lost: %w", err))
 			return
 		}
+		// Refill the skip budget with time.
+		if now := time.Now(); now.Sub(refilled) >= time.Second {
+			budget = min(budget+uint64(now.Sub(refilled)/time.Second)*skipRefill, skipBudgetMax)
+			refilled = now
+		}
+		r.MaxSkipped = r.Skipped() + budget
 		if f.Seq != nextSeq {
-			c.stop(errdefs.Unavailable("agent channel lost data: frame %d arrived, %d expected", f.Seq, nextSeq))
-			return
+			if !canResend {
+				c.stop(errdefs.Unavailable("agent channel lost data: frame %d arrived, %d expected", f.Seq, nextSeq))
+				return
+			}
+			if int32(f.Seq-nextSeq) > 0 {
+				c.askResend(nextSeq) // frames from nextSeq were lost
+			}
+			c.heard()
+			continue // a duplicate, or a frame that comes again after the lost ones
 		}
 		nextSeq++
+		c.nextSeq.Store(nextSeq)
+		c.resendAsk.Store(false)
 		c.heard()
 		if f.Type != proto.TypeHelloAck {
 			if c.owed.Add(int64(proto.FrameCost(len(f.Payload)))) >= proto.ConnWindow/4 {
@@ -415,13 +457,37 @@ func (cl *call) admit(f proto.Frame) error {
 	return nil
 }
 
-// ackLoop returns connection credit to the agent, apart from readLoop so
-// that a blocked write never stalls reading.
+// askResend asks ackLoop to have the agent resend its frames from seq.
+func (c *Client) askResend(seq uint32) {
+	if c.resendAsk.Load() && c.resendFrom.Load() == seq {
+		return // asked already; ackLoop asks again if nothing comes
+	}
+	c.resendFrom.Store(seq)
+	c.resendAsk.Store(true)
+	select {
+	case c.ackWake <- struct{}{}:
+	default:
+	}
+}
+
+// Resends returns how many times the client asked the agent to resend
+// lost frames.
+func (c *Client) Resends() int64 { return c.resends.Load() }
+
+// ackLoop returns connection credit to the agent and sends resend
+// requests, apart from readLoop so that a blocked write never stalls
+// reading. A resend request not answered within resendRetry is repeated.
 func (c *Client) ackLoop() {
+	retry := time.NewTimer(time.Hour)
+	retry.Stop()
+	var asked uint32
+	askedAt := time.Time{}
 	for {
 		select {
 		case <-c.ackWake:
+		case <-retry.C:
 		case <-c.done:
+			retry.Stop()
 			return
 		}
 		if n := c.owed.Swap(0); n > 0 {
@@ -430,6 +496,22 @@ func (c *Client) ackLoop() {
 				return
 			}
 		}
+		if !c.resendAsk.Load() {
+			continue
+		}
+		from := c.resendFrom.Load()
+		if from == asked && time.Since(askedAt) < resendRetry {
+			retry.Reset(resendRetry - time.Since(askedAt))
+			continue
+		}
+		if err := c.w.WriteFrame(proto.Frame{Type: proto.TypeResend, Payload: proto.WindowPayload(from)}); err != nil {
+			c.stop(errdefs.Unavailable("agent connection lost: %w", err))
+			return
+		}
+		c.resends.Add(1)
+		c.log.Debug("asked the agent to resend", "from", from)
+		asked, askedAt = from, time.Now()
+		retry.Reset(resendRetry)
 	}
 }
 
@@ -463,7 +545,14 @@ func (c *Client) start(ctx context.Context, op string, args any) (*call, error) 
 	}
 	cl := &call{id: c.nextID, op: op, q: proto.NewQueue[proto.Frame](), credit: proto.NewCredit(proto.InitialWindow)}
 	c.calls[cl.id] = cl
+	first := len(c.calls) == 1
 	c.mu.Unlock()
+	if first {
+		select {
+		case c.busy <- struct{}{}:
+		default:
+		}
+	}
 	if err := c.w.WriteMessage(proto.TypeRequest, cl.id, req); err != nil {
 		c.forget(cl)
 		if !errdefs.Classed(err) {

@@ -59,24 +59,51 @@ func (c *Client) callDeadline(ctx context.Context, timeout time.Duration) (conte
 // was never asked one).
 func (c *Client) Responsive() bool { return !c.unresponsive.Load() }
 
+// nudgeAfter is how long a call may wait with nothing arriving before the
+// client asks the agent to resend what it has in flight (protocol 2): a
+// frame lost whole leaves nothing torn to notice.
+const nudgeAfter = 2 * time.Second
+
 // watch is the liveness watch: while calls are pending and the agent has
-// sent nothing for the silence interval, it pings; an unanswered ping
-// reports the agent unresponsive, a later frame responsive again. With no
-// call pending it sends nothing, so an idle guest costs nothing.
+// sent nothing for nudgeAfter, it asks for a resend of what may have been
+// lost; for the silence interval, it pings, and an unanswered ping
+// reports the agent unresponsive (a later frame, responsive again). With
+// no call pending it sleeps, so an idle client costs nothing.
 func (c *Client) watch() {
-	tick := time.NewTicker(c.silence / 3)
+	for {
+		select {
+		case <-c.busy:
+		case <-c.done:
+			return
+		}
+		if !c.watchBusy() {
+			return
+		}
+	}
+}
+
+// watchBusy watches while calls are pending; it returns false once the
+// client stopped.
+func (c *Client) watchBusy() bool {
+	tick := time.NewTicker(min(time.Second, c.silence/3))
 	defer tick.Stop()
 	for {
 		select {
 		case <-c.done:
-			return
+			return false
 		case <-tick.C:
 		}
 		c.mu.Lock()
 		pending := len(c.calls)
 		c.mu.Unlock()
+		if pending == 0 {
+			return true
+		}
 		silent := time.Since(time.Unix(0, c.lastRecv.Load()))
-		if pending == 0 || silent < c.silence {
+		if silent >= nudgeAfter && c.ack.Version >= 2 {
+			c.askResend(c.nextSeq.Load())
+		}
+		if silent < c.silence {
 			continue
 		}
 		ctx, cancel := context.WithTimeout(context.Background(), c.probeTimeout)
@@ -84,7 +111,7 @@ func (c *Client) watch() {
 		cancel()
 		select {
 		case <-c.done:
-			return
+			return false
 		default:
 		}
 		if err != nil && time.Since(time.Unix(0, c.lastRecv.Load())) >= c.probeTimeout {

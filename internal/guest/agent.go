@@ -147,6 +147,7 @@ func (a *Agent) Serve(ctx context.Context, rw io.ReadWriter) error {
 	c := &conn{a: a, ctx: ctx, w: proto.NewWriter(rw)}
 	c.w.SplitSize = proto.GuestMaxPayload
 	c.w.Charge = c.charge
+	c.w.Retain = true // for the host's resend requests
 	r := proto.NewReader(rw)
 	r.PartialTimeout = a.cfg.PartialTimeout
 	defer func() {
@@ -174,6 +175,11 @@ type conn struct {
 	// cur is the current session; stored only with w's lock held.
 	cur atomic.Pointer[session]
 	asm proto.Assembler // used by the reading goroutine only
+
+	resendMu      sync.Mutex // guards the fields below
+	resending     bool       // a resend goroutine runs
+	resendPending bool       // resendFrom is yet to be resent
+	resendFrom    uint32
 }
 
 // session is one host's session; it ends when a hello with another nonce
@@ -270,6 +276,7 @@ func (c *conn) dispatch(f proto.Frame) {
 		}
 		if f.Type == proto.TypeWindow && f.ID == 0 {
 			if n, err := proto.ParseWindow(f.Payload); err == nil {
+				c.w.Release(int(n))
 				s.credit.Add(int(n))
 			}
 			return
@@ -285,9 +292,46 @@ func (c *conn) dispatch(f proto.Frame) {
 		if n, err := proto.ParseWindow(f.Payload); err == nil {
 			r.credit.Add(int(n))
 		}
+	case proto.TypeResend:
+		if from, err := proto.ParseWindow(f.Payload); err == nil && f.ID == 0 && c.cur.Load() != nil {
+			c.resend(from)
+		}
 	default:
 		c.a.log.Debug("ignored frame", "type", f.Type, "id", f.ID)
 	}
+}
+
+// resend writes again the frames the host lost, from a goroutine of its
+// own: the reading goroutine must never wait for the stream. One resend
+// runs at a time; a request arriving meanwhile is merged into the next
+// one (the earliest sequence number wins).
+func (c *conn) resend(from uint32) {
+	c.resendMu.Lock()
+	defer c.resendMu.Unlock()
+	if c.resendPending && int32(from-c.resendFrom) >= 0 {
+		return
+	}
+	c.resendFrom, c.resendPending = from, true
+	if c.resending {
+		return
+	}
+	c.resending = true
+	go func() {
+		for {
+			c.resendMu.Lock()
+			if !c.resendPending {
+				c.resending = false
+				c.resendMu.Unlock()
+				return
+			}
+			from := c.resendFrom
+			c.resendPending = false
+			c.resendMu.Unlock()
+			if err := c.w.Resend(from); err != nil {
+				c.a.log.Warn("resend frames", "from", from, "err", err)
+			}
+		}
+	}()
 }
 
 func (c *conn) hello(msg []byte) {

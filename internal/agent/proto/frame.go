@@ -28,14 +28,19 @@
 // with Window frames as it consumes data (Credit).
 //
 // The guest-to-host direction may lose bytes: QEMU's virtconsole drops what
-// the host's socket cannot take at once instead of applying backpressure.
-// So that it never has to, the agent keeps at most ConnWindow bytes (as
-// counted by FrameCost) of a session's frames, hello_ack excepted, in
-// flight; the host returns that credit with Window frames of id 0 as soon
-// as it has read frames, whoever consumes them. Every frame carries a
-// sequence number, counted per direction (the agent's from 0 at each
-// session's first hello_ack), so a receiver detects a lost frame instead of
-// misreading the stream.
+// the host's socket cannot take at once instead of applying backpressure,
+// and the guest's console driver drops what it cannot allocate for under
+// memory pressure. So that the first never happens, the agent keeps at
+// most ConnWindow bytes (as counted by FrameCost) of a session's frames,
+// hello_ack excepted, in flight; the host returns that credit with Window
+// frames of id 0 as soon as it has read frames in order, whoever consumes
+// them. Every frame carries a sequence number, counted per direction (the
+// agent's from 0 at each session's first hello_ack), so a receiver detects
+// a lost frame instead of misreading the stream; and the agent keeps a copy
+// of each frame in flight (Writer.Retain) until its credit comes back, so
+// that since protocol 2 the host asks for what was lost (TypeResend) and
+// the stream recovers: a starved or squeezed guest makes calls slower,
+// never corrupt.
 //
 // The protocol version (ProtocolVersion) is negotiated in hello; the frame
 // format itself never changes for hello and hello_ack, so two ends of
@@ -98,6 +103,11 @@ const (
 	// TypeCancel (H): cancel request id; the guest still ends it with a
 	// result, which the host may ignore.
 	TypeCancel Type = 8
+	// TypeResend (H, id 0, protocol 2): 4-byte sequence number; the guest
+	// writes again, in order, every frame of its session from that number
+	// on that the host has not yet returned credit for. The host asks when
+	// a sequence gap or a torn frame shows that bytes were lost.
+	TypeResend Type = 9
 )
 
 func (t Type) String() string {
@@ -118,11 +128,13 @@ func (t Type) String() string {
 		return "window"
 	case TypeCancel:
 		return "cancel"
+	case TypeResend:
+		return "resend"
 	}
 	return fmt.Sprintf("type(%d)", uint8(t))
 }
 
-func (t Type) valid() bool { return t >= TypeHello && t <= TypeCancel }
+func (t Type) valid() bool { return t >= TypeHello && t <= TypeResend }
 
 // Stream names the byte stream of a data frame (low nibble of the flags).
 type Stream uint8

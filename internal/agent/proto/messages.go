@@ -10,8 +10,10 @@ import (
 
 // Protocol versions. A host and an agent talk when each one's version is at
 // least the other's minimum.
+//
+// Version 2 adds TypeResend.
 const (
-	ProtocolVersion    = 1
+	ProtocolVersion    = 2
 	MinProtocolVersion = 1
 )
 

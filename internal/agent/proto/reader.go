@@ -37,6 +37,10 @@ type Reader struct {
 	// candidate frame, so a reader of a stream that should be clean (after
 	// a handshake) bounds the work a hostile peer can cause.
 	MaxSkipped uint64
+	// OnTorn, when set, is called (on the reading goroutine) each time a
+	// candidate frame is given up because the rest of it did not arrive in
+	// time: bytes were lost.
+	OnTorn func()
 
 	r          io.Reader
 	dl         deadliner
@@ -125,6 +129,9 @@ func (r *Reader) Next() (Frame, error) {
 		limit := r.candSince.Add(r.partialTimeout())
 		if r.dl != nil && !time.Now().Before(limit) {
 			r.skipOne()
+			if r.OnTorn != nil {
+				r.OnTorn()
+			}
 			continue
 		}
 		if r.dl == nil {

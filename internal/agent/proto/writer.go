@@ -18,10 +18,31 @@ type Writer struct {
 	// written; an error from it aborts the write. Set before use.
 	Charge func(Frame) error
 
+	// Retain keeps a copy of every frame written but hello_ack until
+	// Release returns its cost (FrameCost), for Resend. Set before use.
+	Retain bool
+
+	// Lock order: mu, then wmu, then rmu. mu orders frames (charging and
+	// numbering them); wmu guards the stream itself, so that Resend can
+	// write while a writer holds mu waiting for credit that only the
+	// resent frames will bring back.
 	mu  sync.Mutex
 	w   io.Writer
 	buf []byte // guarded by mu
 	seq uint32 // guarded by mu; the next frame's sequence number
+
+	wmu sync.Mutex
+
+	rmu      sync.Mutex // guards the fields below
+	retained []retainedFrame
+	carry    int // credit returned past the retained frames' cost
+}
+
+// retainedFrame is a frame written and not yet acknowledged.
+type retainedFrame struct {
+	seq  uint32
+	b    []byte
+	cost int
 }
 
 // NewWriter returns a Writer on w.
@@ -42,7 +63,12 @@ func (l locked) WriteFrame(f Frame) error { return l.w.writeFrameLocked(f) }
 func (l locked) WriteMessage(t Type, id uint32, payload []byte) error {
 	return l.w.writeMessageLocked(t, id, payload)
 }
-func (l locked) ResetSeq() { l.w.seq = 0 }
+func (l locked) ResetSeq() {
+	l.w.seq = 0
+	l.w.rmu.Lock()
+	l.w.retained, l.w.carry = nil, 0
+	l.w.rmu.Unlock()
+}
 
 // Locked runs fn with the writer's lock held, so that a check made in fn
 // and the frames fn writes are atomic with respect to every other write.
@@ -89,8 +115,63 @@ func (w *Writer) writeFrameLocked(f Frame) error {
 	}
 	w.buf = b
 	w.seq++
+	w.wmu.Lock()
+	defer w.wmu.Unlock()
+	if w.Retain && f.Type != TypeHelloAck {
+		w.rmu.Lock()
+		w.retained = append(w.retained, retainedFrame{seq: f.Seq, b: append([]byte(nil), b...), cost: FrameCost(len(f.Payload))})
+		w.rmu.Unlock()
+	}
 	_, err = w.w.Write(b)
 	return err
+}
+
+// Release drops retained frames, oldest first, whose cost adds up to at
+// most n (credit the receiver returned for frames it read in order).
+func (w *Writer) Release(n int) {
+	w.rmu.Lock()
+	defer w.rmu.Unlock()
+	w.carry += n
+	i := 0
+	for ; i < len(w.retained) && w.retained[i].cost <= w.carry; i++ {
+		w.carry -= w.retained[i].cost
+	}
+	w.retained = w.retained[i:]
+	if len(w.retained) == 0 {
+		w.retained, w.carry = nil, 0
+	}
+}
+
+// Resend writes again, in order, the retained frames numbered from on (in
+// sequence-number order, wrapping). It does not wait for a writer waiting
+// for credit, and takes no credit itself.
+func (w *Writer) Resend(from uint32) error {
+	w.wmu.Lock()
+	defer w.wmu.Unlock()
+	w.rmu.Lock()
+	var again [][]byte
+	for _, r := range w.retained {
+		if int32(r.seq-from) >= 0 {
+			again = append(again, r.b)
+		}
+	}
+	w.rmu.Unlock()
+	for _, b := range again {
+		if _, err := w.w.Write(b); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// Retained returns the number and cost of the frames retained.
+func (w *Writer) Retained() (frames, cost int) {
+	w.rmu.Lock()
+	defer w.rmu.Unlock()
+	for _, r := range w.retained {
+		cost += r.cost
+	}
+	return len(w.retained), cost
 }
 
 func (w *Writer) writeMessageLocked(t Type, id uint32, payload []byte) error {

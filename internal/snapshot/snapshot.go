@@ -25,12 +25,14 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"sort"
 	"strings"
 	"time"
 
 	"golang.org/x/sys/unix"
 
 	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/proc"
 )
 
 // FormatVersion is the version of the layout and metadata this code writes
@@ -57,6 +59,8 @@ const (
 	MemoryFile   = "memory"
 	StateFile    = "state"
 	LockFile     = "lock"
+	// LayerFile is a diff or live branch's own pages (see BranchInfo).
+	LayerFile = "layer"
 )
 
 // FileRef names an input file and its content hash. ID is its identity
@@ -99,6 +103,52 @@ type Metadata struct {
 	ParentHash  string    `json:"parent_hash,omitempty"`
 	ContentHash string    `json:"content_hash,omitempty"`
 	Created     time.Time `json:"created"`
+
+	// Kind is how the snapshot was made: KindBoot ("" in older
+	// metadata: a parent VM booted from an image) or KindBranch (the state
+	// of a running sandbox).
+	Kind string `json:"kind,omitempty"`
+	// Branch is what a branch records of its making (nil otherwise).
+	Branch *BranchInfo `json:"branch,omitempty"`
+	// Ephemeral snapshots belong to their children (fork --from): removed
+	// once the last of them is gone.
+	Ephemeral bool `json:"ephemeral,omitempty"`
+	// Writer is the forkd process writing the snapshot, while it is
+	// written (staging metadata only): a staging branch whose writer died
+	// becomes a failed snapshot.
+	Writer *proc.Identity `json:"writer,omitempty"`
+}
+
+// Kinds of snapshot.
+const (
+	KindBoot   = "boot"
+	KindBranch = "branch"
+)
+
+// BranchInfo is what a branch records of its making. Its memory file is
+// always complete (materialised), so children need no other snapshot; its
+// layer file, for diff and live branches, holds only the pages that
+// differ from its parent's memory (holes elsewhere), the unit that a chain
+// is made of.
+type BranchInfo struct {
+	// Mode is full (no parent), diff or live.
+	Mode string `json:"mode"`
+	// Source is the sandbox the branch was taken from.
+	Source string `json:"source"`
+	// Depth is the number of layers down to a snapshot that stands alone
+	// (1 for a diff or live branch of a boot or full snapshot).
+	Depth int `json:"depth,omitempty"`
+	// PauseMS is how long the source was paused; DirtyBytes how much of
+	// its memory differed from its snapshot's.
+	PauseMS    float64 `json:"pause_ms"`
+	DirtyBytes int64   `json:"dirty_bytes"`
+	// TotalMS is the whole branch, materialisation included.
+	TotalMS float64 `json:"total_ms"`
+	// Disk is the branch's writable disk layer (a qcow2 file in the
+	// snapshot directory, "" when the source had none) and DiskMiB its
+	// size.
+	Disk    string `json:"disk,omitempty"`
+	DiskMiB int    `json:"disk_mib,omitempty"`
 }
 
 // Snapshot is a snapshot found in the store.
@@ -112,6 +162,9 @@ func (s *Snapshot) MemoryPath() string { return filepath.Join(s.Dir, MemoryFile)
 
 // StatePath is the snapshot's device state file.
 func (s *Snapshot) StatePath() string { return filepath.Join(s.Dir, StateFile) }
+
+// LayerPath is a branch's layer file.
+func (s *Snapshot) LayerPath() string { return filepath.Join(s.Dir, LayerFile) }
 
 // LockPath is the snapshot's reference lock file.
 func (s *Snapshot) LockPath() string { return filepath.Join(s.Dir, LockFile) }
@@ -208,7 +261,8 @@ func readMetadata(dir, tag string) (*Metadata, error) {
 
 // List returns every snapshot in the store, sorted by tag. A tag whose
 // metadata cannot be used is listed with StatusCorrupt, Error saying why,
-// so that it can be found and removed.
+// so that it can be found and removed. A snapshot still being written
+// (a live staging directory) is listed with StatusWriting.
 func (s *Store) List() ([]*Snapshot, error) {
 	entries, err := os.ReadDir(s.root)
 	if err != nil {
@@ -236,6 +290,12 @@ func (s *Store) List() ([]*Snapshot, error) {
 		}
 		out = append(out, &Snapshot{Metadata: *md, Dir: dir})
 	}
+	have := map[string]bool{}
+	for _, sn := range out {
+		have[sn.Tag] = true
+	}
+	out = append(out, s.writingEntries(entries, have)...)
+	sort.Slice(out, func(i, j int) bool { return out[i].Tag < out[j].Tag })
 	return out, nil
 }
 
@@ -341,8 +401,10 @@ func (s *Store) Remove(tag string) error {
 	return os.RemoveAll(trash)
 }
 
-// Reclaim removes staging and trash directories whose owner died. It is
-// safe to run while other processes write snapshots.
+// Reclaim removes staging and trash directories whose owner died, but for
+// a branch's staging directory, which becomes a failed snapshot of its tag
+// (removable with Remove). It is safe to run while other processes write
+// snapshots.
 func (s *Store) Reclaim() error {
 	entries, err := os.ReadDir(s.root)
 	if err != nil {
@@ -355,8 +417,17 @@ func (s *Store) Reclaim() error {
 			continue
 		}
 		dir := filepath.Join(s.root, name)
-		if strings.HasPrefix(name, ".staging-") && stagingLive(dir) {
-			continue
+		if strings.HasPrefix(name, ".staging-") {
+			if stagingLive(dir) {
+				continue
+			}
+			// A branch interrupted by a crash stays, failed, to be seen.
+			if failed, err := s.failStaging(dir); failed || err != nil {
+				if err != nil {
+					errs = append(errs, err)
+				}
+				continue
+			}
 		}
 		if err := os.RemoveAll(dir); err != nil {
 			errs = append(errs, err)

@@ -214,7 +214,10 @@ func readStagingMetadata(dir string) (*Metadata, error) {
 // taken meanwhile.
 func (s *Store) failStaging(dir string) (bool, error) {
 	md, err := readStagingMetadata(dir)
-	if err != nil || md.Kind != KindBranch {
+	if err != nil {
+		return false, nil //nolint:nilerr // unreadable staging is no branch: Reclaim removes it
+	}
+	if md.Kind != KindBranch {
 		return false, nil
 	}
 	final := filepath.Join(s.root, md.Tag)

@@ -23,10 +23,12 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"log/slog"
 	"os"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/forkd/forkd/internal/agent/proto"
@@ -81,6 +83,10 @@ type Agent struct {
 	procs   *procTable
 	py      *interp // nil when no interpreter is configured
 	sys     System
+
+	// channel is the device number of the character device Serve last
+	// served on (0: none), which the files API refuses to touch.
+	channel atomic.Uint64
 
 	idMu      sync.Mutex
 	sandboxID string // guarded by idMu
@@ -144,6 +150,13 @@ func (a *Agent) features() []string {
 // Serve reads frames from rw and answers on rw until reading fails (io.EOF
 // included), which it returns. Requests run under ctx.
 func (a *Agent) Serve(ctx context.Context, rw io.ReadWriter) error {
+	if f, ok := rw.(*os.File); ok {
+		if st, err := f.Stat(); err == nil && st.Mode()&fs.ModeCharDevice != 0 {
+			if sys, ok := st.Sys().(*syscall.Stat_t); ok {
+				a.channel.Store(sys.Rdev)
+			}
+		}
+	}
 	c := &conn{a: a, ctx: ctx, w: proto.NewWriter(rw)}
 	c.w.SplitSize = proto.GuestMaxPayload
 	c.w.Charge = c.charge

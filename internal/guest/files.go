@@ -11,9 +11,11 @@ import (
 	"sort"
 	"strings"
 	"syscall"
+	"time"
 
 	"github.com/forkd/forkd/internal/agent/proto"
 	"github.com/forkd/forkd/internal/errdefs"
+	"golang.org/x/sys/unix"
 )
 
 const (
@@ -109,6 +111,13 @@ func (a *Agent) fileRead(ctx context.Context, r *request, args json.RawMessage) 
 	if err != nil {
 		return nil, err
 	}
+	// Checked before opening: reading the channel would steal the host's
+	// frames, and opening it at all is no business of a file read.
+	if st, err := os.Stat(p); err == nil {
+		if err := a.refuseChannel("read", p, st); err != nil {
+			return nil, err
+		}
+	}
 	f, err := os.Open(p)
 	if err != nil {
 		return nil, pathError("read", p, err)
@@ -161,11 +170,17 @@ func (a *Agent) fileWrite(ctx context.Context, r *request, args json.RawMessage)
 			p = t
 		}
 	}
+	if err := onPseudoFS("write", p); err != nil {
+		return nil, err
+	}
 	mode := fs.FileMode(0o644)
 	uid, gid := -1, -1
 	if st, err := os.Stat(p); err == nil {
 		if st.IsDir() {
 			return nil, errdefs.InvalidArgument("write %s: is a directory", p)
+		}
+		if !st.Mode().IsRegular() {
+			return a.writeInPlace(ctx, r, p, st)
 		}
 		mode = st.Mode().Perm()
 		if sys, ok := st.Sys().(*syscall.Stat_t); ok {
@@ -190,22 +205,8 @@ func (a *Agent) fileWrite(ctx context.Context, r *request, args json.RawMessage)
 			os.Remove(tmp.Name())
 		}
 	}()
-	var total int64
-	for {
-		f, err := r.recvData(ctx)
-		if err != nil {
-			return nil, errdefs.Unavailable("write %s: cancelled before the data ended", p)
-		}
-		if len(f.Payload) > 0 {
-			if _, err := tmp.Write(f.Payload); err != nil {
-				return nil, pathError("write", p, err)
-			}
-			total += int64(len(f.Payload))
-		}
-		r.consumed(len(f.Payload))
-		if f.EOF() {
-			break
-		}
+	if _, err := receiveFile(ctx, r, p, tmp); err != nil {
+		return nil, err
 	}
 	if uid >= 0 && os.Geteuid() == 0 {
 		// The new file keeps the old one's owner where the file system
@@ -233,6 +234,134 @@ func (a *Agent) fileWrite(ctx context.Context, r *request, args json.RawMessage)
 	}
 	fi := fileInfo(p, st)
 	return &fi, nil
+}
+
+// receiveFile copies the host's file data frames into w until the host's
+// EOF, returning credit as it goes, and returns the bytes written.
+func receiveFile(ctx context.Context, r *request, p string, w io.Writer) (int64, error) {
+	var total int64
+	for {
+		f, err := r.recvData(ctx)
+		if err != nil {
+			return total, errdefs.Unavailable("write %s: cancelled before the data ended", p)
+		}
+		if len(f.Payload) > 0 {
+			if _, err := w.Write(f.Payload); err != nil {
+				return total, pathError("write", p, err)
+			}
+			total += int64(len(f.Payload))
+		}
+		r.consumed(len(f.Payload))
+		if f.EOF() {
+			return total, nil
+		}
+	}
+}
+
+// writeInPlace writes the host's data into an existing file that is not a
+// regular file (st is its Stat): a character or block device or a FIFO is
+// opened and written, never replaced; a socket, the agent's own channel
+// and the kernel console are refused. The node's mode and owner stay.
+func (a *Agent) writeInPlace(ctx context.Context, r *request, p string, st fs.FileInfo) (any, error) {
+	m := st.Mode()
+	if m&fs.ModeSocket != 0 {
+		return nil, errdefs.InvalidArgument("write %s: is a socket, not a regular file", p)
+	}
+	if err := a.refuseChannel("write", p, st); err != nil {
+		return nil, err
+	}
+	flag := os.O_WRONLY
+	fifo := m&fs.ModeNamedPipe != 0
+	if fifo {
+		// Fail now (ENXIO) rather than wait for a reader that may never come.
+		flag |= syscall.O_NONBLOCK
+	}
+	f, err := os.OpenFile(p, flag, 0)
+	if err != nil {
+		if fifo && errors.Is(err, syscall.ENXIO) {
+			return nil, errdefs.FailedPrecondition("write %s: a FIFO with no reader", p)
+		}
+		return nil, pathError("write", p, err)
+	}
+	defer f.Close()
+	// A write blocked on a pollable FIFO or device ends with the request;
+	// other devices do not block for long, and have no deadlines.
+	stop := context.AfterFunc(ctx, func() { _ = f.SetWriteDeadline(time.Now()) })
+	defer stop()
+	total, err := receiveFile(ctx, r, p, f)
+	if err != nil {
+		return nil, err
+	}
+	if err := f.Close(); err != nil {
+		return nil, pathError("write", p, err)
+	}
+	fi := fileInfo(p, st)
+	fi.Size = total
+	return &fi, nil
+}
+
+// consoleDev is /dev/console's device number: the kernel console, which
+// may be the agent's channel itself (console=hvc0).
+var consoleDev = unix.Mkdev(5, 1)
+
+// refuseChannel refuses st (the Stat of path p) when it is the device the
+// agent serves the host on, or the kernel console: data written there
+// would corrupt the host's stream, and a read would steal from it.
+func (a *Agent) refuseChannel(op, p string, st fs.FileInfo) error {
+	sys, ok := st.Sys().(*syscall.Stat_t)
+	if !ok || st.Mode()&fs.ModeCharDevice == 0 {
+		return nil
+	}
+	if ch := a.channel.Load(); sys.Rdev == consoleDev || (ch != 0 && sys.Rdev == ch) {
+		return errdefs.InvalidArgument("%s %s: is the agent's channel to the host (or the kernel console); refusing to %s it", op, p, op)
+	}
+	return nil
+}
+
+// configfsMagic is CONFIGFS_MAGIC, which x/sys/unix lacks.
+const configfsMagic = 0x62656570
+
+// pseudoFS names the kernel pseudo file systems by statfs magic: their
+// files are kernel interfaces, not files to create or replace.
+var pseudoFS = map[int64]string{
+	unix.PROC_SUPER_MAGIC:    "proc",
+	unix.SYSFS_MAGIC:         "sysfs",
+	unix.CGROUP_SUPER_MAGIC:  "cgroup",
+	unix.CGROUP2_SUPER_MAGIC: "cgroup2",
+	unix.DEBUGFS_MAGIC:       "debugfs",
+	unix.TRACEFS_MAGIC:       "tracefs",
+	unix.SECURITYFS_MAGIC:    "securityfs",
+	unix.BPF_FS_MAGIC:        "bpf",
+	configfsMagic:            "configfs",
+	unix.EFIVARFS_MAGIC:      "efivarfs",
+	unix.PSTOREFS_MAGIC:      "pstore",
+}
+
+// onPseudoFS refuses a write of p when p, or the directory that holds or
+// would hold it, is on a kernel pseudo file system (/proc, /sys, ...).
+// The directory is checked too because a magic link there (/proc/1/fd/N)
+// resolves to a file on yet another file system.
+func onPseudoFS(op, p string) error {
+	var sf unix.Statfs_t
+	dir := filepath.Dir(p)
+	err := unix.Statfs(dir, &sf)
+	for errors.Is(err, unix.ENOENT) && dir != "/" {
+		dir = filepath.Dir(dir)
+		err = unix.Statfs(dir, &sf)
+	}
+	// A directory that cannot be examined is left for the write to report.
+	name, ok := "", false
+	if err == nil {
+		name, ok = pseudoFS[sf.Type]
+	}
+	if !ok && unix.Statfs(p, &sf) == nil {
+		name, ok = pseudoFS[sf.Type]
+	}
+	if ok {
+		return errdefs.InvalidArgument("%s %s: on %s, a kernel pseudo file system: not a regular file that %s can create or replace (use exec to write kernel settings)",
+			op, p, name, "files."+op)
+	}
+	return nil
 }
 
 // modeFromBits converts Unix permission bits to an fs.FileMode.
@@ -391,6 +520,9 @@ func (a *Agent) fileRename(ctx context.Context, r *request, args json.RawMessage
 	to, err := guestPath("rename", req.To)
 	if err != nil {
 		return nil, err
+	}
+	if st, err := os.Lstat(to); err == nil && st.Mode()&(fs.ModeDevice|fs.ModeNamedPipe) != 0 {
+		return nil, errdefs.InvalidArgument("rename %s to %s: the target is a device node or FIFO; refusing to replace it", from, to)
 	}
 	if err := os.Rename(from, to); err != nil {
 		return nil, pathError("rename", from, err)

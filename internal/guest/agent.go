@@ -68,6 +68,9 @@ type Config struct {
 	System System
 	// SandboxID and Hostname are the identity before any init.
 	SandboxID, Hostname string
+	// Cgroup is the cgroup2 directory every process the agent starts is
+	// born in (WorkloadCgroup when PID 1); empty: the agent's own cgroup.
+	Cgroup string
 	// PartialTimeout overrides proto.DefaultPartialTimeout for torn frames.
 	PartialTimeout time.Duration
 	Logger         *slog.Logger
@@ -83,6 +86,9 @@ type Agent struct {
 	procs   *procTable
 	py      *interp // nil when no interpreter is configured
 	sys     System
+	// cgroupFD is cfg.Cgroup opened for CLONE_INTO_CGROUP, kept for the
+	// agent's lifetime; -1 when none.
+	cgroupFD int
 
 	// channel is the device number of the character device Serve last
 	// served on (0: none), which the files API refuses to touch.
@@ -121,6 +127,15 @@ func New(cfg Config) *Agent {
 		sys:       cfg.System.withDefaults(),
 		sandboxID: cfg.SandboxID,
 		hostname:  cfg.Hostname,
+		cgroupFD:  -1,
+	}
+	if cfg.Cgroup != "" {
+		fd, err := syscall.Open(cfg.Cgroup, syscall.O_RDONLY|syscall.O_DIRECTORY|syscall.O_CLOEXEC, 0)
+		if err != nil {
+			log.Error("workload cgroup; processes run in the agent's", "cgroup", cfg.Cgroup, "err", err)
+		} else {
+			a.cgroupFD = fd
+		}
 	}
 	if cfg.Python != "" {
 		a.py = newInterp(a, cfg.Python, cfg.Preload)

@@ -155,7 +155,7 @@ func (a *Agent) spawn(cmd *command, stdin, stdout, stderr *os.File) (int, <-chan
 		Dir:   cmd.dir,
 		Env:   cmd.env,
 		Files: []uintptr{stdin.Fd(), stdout.Fd(), stderr.Fd()},
-		Sys:   &syscall.SysProcAttr{Setsid: true, Credential: cmd.cred},
+		Sys:   a.sysProcAttr(cmd),
 	}
 	pid, done, err := a.reaper.start(func() (int, error) {
 		return syscall.ForkExec(cmd.path, cmd.argv, attr)
@@ -164,6 +164,17 @@ func (a *Agent) spawn(cmd *command, stdin, stdout, stderr *os.File) (int, <-chan
 		return 0, nil, pathError("exec", cmd.argv[0], err)
 	}
 	return pid, done, nil
+}
+
+// sysProcAttr starts a process in a new session (so that its process
+// group can be killed as one), as cmd's user, born in the workload cgroup
+// when there is one.
+func (a *Agent) sysProcAttr(cmd *command) *syscall.SysProcAttr {
+	sys := &syscall.SysProcAttr{Setsid: true, Credential: cmd.cred}
+	if a.cgroupFD >= 0 {
+		sys.UseCgroupFD, sys.CgroupFD = true, a.cgroupFD
+	}
+	return sys
 }
 
 // stdio holds the agent's ends of a process's standard streams.

@@ -101,14 +101,34 @@ func runPID1() {
 		log.Error("read /proc/cmdline", "err", err)
 	}
 	loadModules(log, ModulesPath, "/lib/modules")
+	budget, err := bootBudget()
+	if err != nil {
+		log.Error("memory budget", "err", err)
+	} else {
+		log.Info("memory budget", "ram", budget.ram, "workload", budget.workload, "files", budget.files)
+		applyKernelBudget(log, budget)
+	}
+	switched := false
 	if dev := cmdline[KeyRoot]; dev != "" {
 		fstype := cmdline[KeyRootFSType]
 		if fstype == "" {
 			fstype = "ext4"
 		}
-		if err := switchRoot(log, dev, fstype); err != nil {
+		if err := switchRoot(log, dev, fstype, budget.shared); err != nil {
 			log.Error("switch root; staying in the initramfs", "err", err)
+		} else {
+			switched = true
 		}
+	}
+	if !switched {
+		if err := sizeInitramfs(budget.shared); err != nil {
+			log.Error("initramfs root", "err", err)
+		}
+	}
+	cgroup := WorkloadCgroup
+	if err := setupWorkloadCgroup(log, budget); err != nil {
+		log.Error("workload cgroup; processes run in the agent's", "err", err)
+		cgroup = ""
 	}
 	bc, err := loadBootConfig(cmdline, AgentConfigPath)
 	if err != nil {
@@ -128,7 +148,7 @@ func runPID1() {
 		}
 	}
 	cfg := bc.agent
-	cfg.Version, cfg.Logger = Version, log
+	cfg.Version, cfg.Logger, cfg.Cgroup = Version, log, cgroup
 	a := New(cfg)
 	if err := waitFor(bc.console, 5*time.Second); err != nil {
 		log.Error("console", "err", err)

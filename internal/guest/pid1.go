@@ -24,14 +24,69 @@ type mountSpec struct {
 }
 
 // baseMounts are the pseudo file systems PID 1 mounts in the initramfs.
+// /tmp, /run and /dev/shm are not file systems of their own: they share
+// the root's in-RAM file system and its size (sharedDirs).
 var baseMounts = []mountSpec{
 	{"proc", "/proc", "proc", unix.MS_NOSUID | unix.MS_NODEV | unix.MS_NOEXEC, "", 0o555},
 	{"sysfs", "/sys", "sysfs", unix.MS_NOSUID | unix.MS_NODEV | unix.MS_NOEXEC, "", 0o555},
 	{"devtmpfs", "/dev", "devtmpfs", unix.MS_NOSUID, "mode=0755", 0o755},
 	{"devpts", "/dev/pts", "devpts", unix.MS_NOSUID | unix.MS_NOEXEC, "gid=5,mode=0620,ptmxmode=0666", 0o755},
-	{"tmpfs", "/dev/shm", "tmpfs", unix.MS_NOSUID | unix.MS_NODEV, "mode=1777", 0o1777},
-	{"tmpfs", "/tmp", "tmpfs", unix.MS_NOSUID | unix.MS_NODEV, "mode=1777", 0o1777},
-	{"tmpfs", "/run", "tmpfs", unix.MS_NOSUID | unix.MS_NODEV, "mode=0755", 0o755},
+}
+
+// sharedDir is a directory of the shared in-RAM file system bind-mounted
+// (nosuid, nodev) at a path of the root.
+type sharedDir struct {
+	name, target string
+	mode         os.FileMode
+}
+
+// sharedDirs are the writable directories that live in the shared tmpfs
+// beside the overlay's upper layer, so that all of them together never
+// hold more than memBudget.shared.
+var sharedDirs = []sharedDir{
+	{"tmp", "/tmp", 0o777 | os.ModeSticky},
+	{"run", "/run", 0o755},
+	{"shm", "/dev/shm", 0o777 | os.ModeSticky},
+}
+
+// bindShared makes each of sharedDirs under src and bind-mounts it at
+// its target under root.
+func bindShared(src, root string) error {
+	for _, d := range sharedDirs {
+		from, to := filepath.Join(src, d.name), root+d.target
+		for _, dir := range []string{from, to} {
+			if err := os.MkdirAll(dir, 0o755); err != nil {
+				return err
+			}
+		}
+		// Chmod: MkdirAll's mode passes through the umask and drops the
+		// sticky bit.
+		if err := os.Chmod(from, d.mode); err != nil {
+			return err
+		}
+		if err := unix.Mount(from, to, "", unix.MS_BIND, ""); err != nil {
+			return fmt.Errorf("bind %s on %s: %w", from, to, err)
+		}
+		if err := unix.Mount("", to, "", unix.MS_REMOUNT|unix.MS_BIND|unix.MS_NOSUID|unix.MS_NODEV, ""); err != nil {
+			return fmt.Errorf("remount %s nosuid,nodev: %w", to, err)
+		}
+	}
+	return nil
+}
+
+// sizeInitramfs is the set-up without a root device: the initramfs (a
+// tmpfs) is the root, capped at shared bytes, and holds sharedDirs.
+func sizeInitramfs(shared uint64) error {
+	var errs []error
+	if opt := tmpfsSize(shared); opt != "" {
+		if err := unix.Mount("", "/", "", unix.MS_REMOUNT, opt); err != nil {
+			errs = append(errs, fmt.Errorf("cap the initramfs: %w", err))
+		}
+	}
+	if err := bindShared("/mnt/rw", ""); err != nil {
+		errs = append(errs, err)
+	}
+	return errors.Join(errs...)
 }
 
 // mountBase mounts baseMounts, tolerating ones already there (EBUSY).
@@ -114,10 +169,11 @@ func waitFor(path string, timeout time.Duration) error {
 	}
 }
 
-// switchRoot mounts dev read-only under an overlay whose upper layer is a
-// tmpfs, moves the pseudo file systems into it and makes it the root:
-// chdir, mount --move . /, chroot . — the initramfs cannot be pivoted.
-func switchRoot(log *slog.Logger, dev, fstype string) error {
+// switchRoot mounts dev read-only under an overlay whose upper layer is in
+// a tmpfs of shared bytes, which also holds sharedDirs, moves the pseudo
+// file systems into it and makes it the root: chdir, mount --move . /,
+// chroot . — the initramfs cannot be pivoted.
+func switchRoot(log *slog.Logger, dev, fstype string, shared uint64) error {
 	const lower, rw, root = "/mnt/lower", "/mnt/rw", "/mnt/root"
 	if err := waitFor(dev, 5*time.Second); err != nil {
 		return err
@@ -130,7 +186,7 @@ func switchRoot(log *slog.Logger, dev, fstype string) error {
 	if err := unix.Mount(dev, lower, fstype, unix.MS_RDONLY, ""); err != nil {
 		return fmt.Errorf("mount %s (%s) on %s: %w", dev, fstype, lower, err)
 	}
-	if err := unix.Mount("tmpfs", rw, "tmpfs", 0, "mode=0755"); err != nil {
+	if err := unix.Mount("tmpfs", rw, "tmpfs", 0, strings.TrimSuffix("mode=0755,"+tmpfsSize(shared), ",")); err != nil {
 		return fmt.Errorf("mount tmpfs on %s: %w", rw, err)
 	}
 	for _, d := range []string{rw + "/upper", rw + "/work"} {
@@ -142,7 +198,7 @@ func switchRoot(log *slog.Logger, dev, fstype string) error {
 	if err := unix.Mount("overlay", root, "overlay", 0, opts); err != nil {
 		return fmt.Errorf("mount overlay on %s: %w", root, err)
 	}
-	for _, m := range []string{"/proc", "/sys", "/dev", "/run", "/tmp"} {
+	for _, m := range []string{"/proc", "/sys", "/dev"} {
 		target := root + m
 		if err := os.MkdirAll(target, 0o755); err != nil {
 			return err
@@ -150,6 +206,9 @@ func switchRoot(log *slog.Logger, dev, fstype string) error {
 		if err := unix.Mount(m, target, "", unix.MS_MOVE, ""); err != nil {
 			return fmt.Errorf("move %s into the new root: %w", m, err)
 		}
+	}
+	if err := bindShared(rw, root); err != nil {
+		return err
 	}
 	if err := os.Chdir(root); err != nil {
 		return err

@@ -230,7 +230,7 @@ func (in *interp) spawn(p *pyProc) error {
 		Dir:   cmd.dir,
 		Env:   cmd.env,
 		Files: []uintptr{null.Fd(), outW.Fd(), errW.Fd(), reqR.Fd(), respW.Fd()},
-		Sys:   &syscall.SysProcAttr{Setsid: true, Credential: cmd.cred},
+		Sys:   in.a.sysProcAttr(cmd),
 	}
 	pid, done, err := in.a.reaper.start(func() (int, error) {
 		return syscall.ForkExec(cmd.path, cmd.argv, attr)

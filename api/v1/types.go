@@ -241,6 +241,14 @@ type CreateSandboxesRequest struct {
 	// Network is the egress policy and published ports of each sandbox;
 	// its snapshot must have been made with a network.
 	Network *NetworkSpec `json:"network,omitempty"`
+	// GuestPIDsLimit caps the processes and threads inside each guest
+	// (pids.max of the guest agent's workload cgroup, applied by the agent
+	// after restore): 16 to 4194304, or 0 for the guest's default, one
+	// task per 512 KiB of its workload's memory, 64 to 4096 (341 in a
+	// 256 MiB guest). A fork bomb then fails with EAGAIN. Unlike PIDsLimit
+	// (the VMM's host tasks) it needs no root, only a snapshot made with
+	// an agent that supports it.
+	GuestPIDsLimit int `json:"guest_pids_limit,omitempty"`
 	// KeepPartial keeps the children that came up when others failed and
 	// reports each failure in Failed.
 	KeepPartial bool `json:"keep_partial,omitempty"`

@@ -22,6 +22,7 @@ type isoFlags struct {
 	memoryMiB int
 	cpus      float64
 	pids      int
+	guestPIDs int
 	ioWeight  int
 	ioReadMB  float64
 	ioWriteMB float64
@@ -34,6 +35,7 @@ func (f *isoFlags) register(fs *pflag.FlagSet) {
 	fs.IntVar(&f.memoryMiB, "memory-limit-mib", 0, "host memory limit per sandbox, VMM included (over it: killed, status oom)")
 	fs.Float64Var(&f.cpus, "cpus", 0, "CPU limit per sandbox, in cores: 0.01 to 1024 (e.g. 0.5; 0 = no limit)")
 	fs.IntVar(&f.pids, "pids-limit", 0, "task limit of each sandbox's VMM process")
+	fs.IntVar(&f.guestPIDs, "guest-pids-limit", 0, "limit on processes and threads inside each guest, 16 to 4194304 (0: the guest's default, 1 per 512 KiB of its memory)")
 	fs.IntVar(&f.ioWeight, "io-weight", 0, "relative disk share, 1 to 10000 (needs a CFQ/BFQ scheduler on cgroup v1)")
 	fs.Float64Var(&f.ioReadMB, "io-read-mbps", 0, "disk read limit per sandbox, MB/s (0 = no limit)")
 	fs.Float64Var(&f.ioWriteMB, "io-write-mbps", 0, "disk write limit per sandbox, MB/s (0 = no limit)")
@@ -64,6 +66,7 @@ func (f *isoFlags) apply(req *apiv1.CreateSandboxesRequest) error {
 		return err
 	}
 	req.MemoryLimitMiB, req.CPUs, req.PIDsLimit = f.memoryMiB, f.cpus, f.pids
+	req.GuestPIDsLimit = f.guestPIDs
 	req.IOWeight = f.ioWeight
 	req.IOReadBps, req.IOWriteBps = read, write
 	return nil

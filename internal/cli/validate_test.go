@@ -78,6 +78,9 @@ func TestLimitFlagsRefused(t *testing.T) {
 			{[]string{"--io-read-mbps", "NaN"}, "--io-read-mbps"},
 			{[]string{"--io-write-mbps", "-Inf"}, "--io-write-mbps"},
 			{[]string{"--io-write-mbps", "-3"}, "--io-write-mbps"},
+			{[]string{"--guest-pids-limit", "-1"}, "guest_pids_limit = -1"},
+			{[]string{"--guest-pids-limit", "8"}, "guest_pids_limit = 8: want 0 (the guest's default) or 16 to 4194304"},
+			{[]string{"--guest-pids-limit", "4194305"}, "guest_pids_limit"},
 		} {
 			cases = append(cases, badArgs{append(append([]string(nil), cmd...), c.args...), c.want})
 		}

@@ -71,6 +71,9 @@ type Config struct {
 	// Cgroup is the cgroup2 directory every process the agent starts is
 	// born in (WorkloadCgroup when PID 1); empty: the agent's own cgroup.
 	Cgroup string
+	// PIDsLimit is the cgroup's pids.max when an init names none (the
+	// boot budget's); 0 leaves it alone.
+	PIDsLimit int
 	// PartialTimeout overrides proto.DefaultPartialTimeout for torn frames.
 	PartialTimeout time.Duration
 	Logger         *slog.Logger
@@ -158,6 +161,9 @@ func (a *Agent) features() []string {
 	f := []string{proto.FeatureExec, proto.FeatureFiles, proto.FeatureProcesses}
 	if a.py != nil {
 		f = append(f, proto.FeatureEval)
+	}
+	if a.cgroupFD >= 0 {
+		f = append(f, proto.FeatureLimits)
 	}
 	return f
 }

@@ -31,6 +31,12 @@ var noSystem = guest.System{
 // returns a client on the other.
 func serveSocket(t *testing.T) *agent.Client {
 	t.Helper()
+	return serveConfig(t, guest.Config{System: noSystem})
+}
+
+// serveConfig is serveSocket for an agent of configuration cfg.
+func serveConfig(t *testing.T, cfg guest.Config) *agent.Client {
+	t.Helper()
 	fds, err := syscall.Socketpair(syscall.AF_UNIX, syscall.SOCK_STREAM|syscall.SOCK_CLOEXEC, 0)
 	if err != nil {
 		t.Fatal(err)
@@ -41,7 +47,7 @@ func serveSocket(t *testing.T) *agent.Client {
 	if err != nil {
 		t.Fatal(err)
 	}
-	a := guest.New(guest.Config{System: noSystem})
+	a := guest.New(cfg)
 	go a.Serve(context.Background(), agentFile)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()

@@ -53,6 +53,11 @@ type memBudget struct {
 	// kernel's own default and at most 16 MiB, so atomic allocations find
 	// pages under pressure.
 	minFree uint64
+	// pids is the default pids.max of the workload: one task per 512 KiB
+	// of workload, 64 to 4096, so that a fork bomb of shells (~170 KiB a
+	// task) meets it long before the memory limit, beside a warm
+	// interpreter.
+	pids int
 }
 
 // newMemBudget shares out ram bytes; minFree0 is the kernel's default
@@ -64,6 +69,7 @@ func newMemBudget(ram, minFree0 uint64) memBudget {
 	b.files = b.workload / 8 * 5
 	b.shared = b.files - min(devSize, b.files/2)
 	b.minFree = max(minFree0, min(ram/64, 16<<20))
+	b.pids = int(min(max(b.workload/(512<<10), 64), 4096))
 	return b
 }
 
@@ -131,12 +137,13 @@ func applyKernelBudget(log *slog.Logger, b memBudget) {
 	}
 }
 
-// setupWorkloadCgroup mounts cgroup2 (unless mounted), enables the memory
-// and cpu controllers for the root's children and makes WorkloadCgroup
-// with memory.max = b.workload. Under the cpu controller the workload as
-// a whole weighs what the agent does, so a busy workload cannot starve
-// the agent of CPU; without it (logged) the cgroup still caps memory.
-// Boot only.
+// setupWorkloadCgroup mounts cgroup2 (unless mounted), enables the memory,
+// pids and cpu controllers for the root's children and makes
+// WorkloadCgroup with memory.max = b.workload and pids.max = b.pids (init
+// sets the sandbox's own). Under the cpu
+// controller the workload as a whole weighs what the agent does, so a busy
+// workload cannot starve the agent of CPU; without it (logged) the cgroup
+// still caps memory and tasks. Boot only.
 func setupWorkloadCgroup(log *slog.Logger, b memBudget) error {
 	if b.ram == 0 {
 		return errors.New("no memory budget")
@@ -149,8 +156,10 @@ func setupWorkloadCgroup(log *slog.Logger, b memBudget) error {
 		return fmt.Errorf("mount cgroup2 on %s: %w", CgroupRoot, err)
 	}
 	ctl := filepath.Join(CgroupRoot, "cgroup.subtree_control")
-	if err := os.WriteFile(ctl, []byte("+memory"), 0o644); err != nil {
-		return fmt.Errorf("enable the memory controller: %w", err)
+	for _, c := range []string{"memory", "pids"} {
+		if err := os.WriteFile(ctl, []byte("+"+c), 0o644); err != nil {
+			return fmt.Errorf("enable the %s controller: %w", c, err)
+		}
 	}
 	if err := os.WriteFile(ctl, []byte("+cpu"), 0o644); err != nil {
 		log.Warn("cpu controller", "err", err)
@@ -160,6 +169,14 @@ func setupWorkloadCgroup(log *slog.Logger, b memBudget) error {
 	}
 	if err := os.WriteFile(filepath.Join(WorkloadCgroup, "memory.max"), []byte(strconv.FormatUint(b.workload, 10)), 0o644); err != nil {
 		return fmt.Errorf("memory.max: %w", err)
+	}
+	return setPIDsMax(WorkloadCgroup, b.pids)
+}
+
+// setPIDsMax writes pids.max of cgroup dir.
+func setPIDsMax(dir string, n int) error {
+	if err := os.WriteFile(filepath.Join(dir, "pids.max"), []byte(strconv.Itoa(n)), 0o644); err != nil {
+		return fmt.Errorf("pids.max: %w", err)
 	}
 	return nil
 }

@@ -12,8 +12,8 @@ func TestMemBudget(t *testing.T) {
 	for _, c := range []struct {
 		ram, reserve uint64
 	}{
-		{ram: 64 * mib, reserve: 32 * mib}, // at most half
-		{ram: 218 * mib, reserve: 48 * mib},
+		{ram: 64 * mib, reserve: 32 * mib},  // at most half
+		{ram: 218 * mib, reserve: 48 * mib}, // a 256 MiB guest
 		{ram: 256 * mib, reserve: 51 * mib},
 		{ram: 4096 * mib, reserve: 819 * mib},
 	} {
@@ -29,6 +29,10 @@ func TestMemBudget(t *testing.T) {
 		}
 		if b.minFree < 2*mib || b.minFree > 16*mib {
 			t.Errorf("ram %d MiB: min_free %d", c.ram/mib, b.minFree)
+		}
+		// A fork bomb of shells meets pids.max before memory.max.
+		if b.pids < 64 || b.pids > 4096 || uint64(b.pids)*256<<10 > b.workload && b.pids > 64 {
+			t.Errorf("ram %d MiB: pids %d", c.ram/mib, b.pids)
 		}
 	}
 }

@@ -148,7 +148,7 @@ func runPID1() {
 		}
 	}
 	cfg := bc.agent
-	cfg.Version, cfg.Logger, cfg.Cgroup = Version, log, cgroup
+	cfg.Version, cfg.Logger, cfg.Cgroup, cfg.PIDsLimit = Version, log, cgroup, budget.pids
 	a := New(cfg)
 	if err := waitFor(bc.console, 5*time.Second); err != nil {
 		log.Error("console", "err", err)

@@ -1,6 +1,7 @@
 package guest
 
 import (
+	"cmp"
 	"context"
 	"encoding/binary"
 	"encoding/json"
@@ -106,6 +107,12 @@ func (a *Agent) init(ctx context.Context, r *request, args json.RawMessage) (any
 	if len(req.Hostname) > 64 {
 		return nil, errdefs.InvalidArgument("init: hostname %q longer than 64 bytes", req.Hostname)
 	}
+	if req.PIDsLimit < 0 {
+		return nil, errdefs.InvalidArgument("init: pids limit %d is negative", req.PIDsLimit)
+	}
+	if req.PIDsLimit > 0 && a.cgroupFD < 0 {
+		return nil, errdefs.FailedPrecondition("init: pids limit %d: this agent has no workload cgroup to apply it to", req.PIDsLimit)
+	}
 	var errs []error
 	if !req.Time.IsZero() {
 		if err := a.sys.SetTime(req.Time); err != nil {
@@ -120,6 +127,11 @@ func (a *Agent) init(ctx context.Context, r *request, args json.RawMessage) (any
 	if req.Hostname != "" {
 		if err := a.sys.SetHostname(req.Hostname); err != nil {
 			errs = append(errs, sysError("set hostname", err))
+		}
+	}
+	if n := cmp.Or(req.PIDsLimit, a.cfg.PIDsLimit); a.cgroupFD >= 0 && n > 0 {
+		if err := setPIDsMax(a.cfg.Cgroup, n); err != nil {
+			errs = append(errs, sysError("set pids limit", err))
 		}
 	}
 	a.idMu.Lock()

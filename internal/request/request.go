@@ -37,6 +37,10 @@ const (
 	MaxIOBps = 1 << 40
 )
 
+// minGuestPIDs is the least guest_pids_limit: room for a shell and its
+// pipeline beside the warm interpreter.
+const minGuestPIDs = 16
+
 // CheckCPUs checks a CPU limit in cores: 0 (no limit) or 0.01 to 1024,
 // never NaN or infinite. field names it in the error.
 func CheckCPUs(field string, cpus float64) error {
@@ -85,6 +89,9 @@ func ForkSpec(req *apiv1.CreateSandboxesRequest, maxN int) (sandbox.ForkSpec, er
 	if req.PIDsLimit < 0 || req.PIDsLimit > 1<<22 {
 		return spec, errdefs.InvalidArgument("pids_limit = %d: want 0 (no limit) or a positive number", req.PIDsLimit)
 	}
+	if g := req.GuestPIDsLimit; g != 0 && (g < minGuestPIDs || g > 1<<22) {
+		return spec, errdefs.InvalidArgument("guest_pids_limit = %d: want 0 (the guest's default) or %d to %d", g, minGuestPIDs, 1<<22)
+	}
 	if req.IOWeight < 0 || req.IOWeight > 10000 {
 		return spec, errdefs.InvalidArgument("io_weight = %d: want 0 (default) or 1 to 10000", req.IOWeight)
 	}
@@ -104,7 +111,8 @@ func ForkSpec(req *apiv1.CreateSandboxesRequest, maxN int) (sandbox.ForkSpec, er
 	}
 	spec = sandbox.ForkSpec{
 		Tag: req.SnapshotTag, N: n, Metadata: md, KeepPartial: req.KeepPartial, OnUnresponsive: req.OnUnresponsive,
-		Timeout: time.Duration(req.TimeoutSecs) * time.Second,
+		Timeout:        time.Duration(req.TimeoutSecs) * time.Second,
+		GuestPIDsLimit: req.GuestPIDsLimit,
 	}
 	if req.Network != nil {
 		spec.Net = &sandbox.NetSpec{Policy: pol, Publish: req.Network.Publish}

@@ -270,7 +270,7 @@ func (e *Engine) warm(ctx context.Context, m vmm.Machine, spec SnapshotSpec, con
 		return fmt.Errorf("parent agent: %w%s", err, consoleTail(consoleLog))
 	}
 	defer c.Close()
-	if err := c.Init(bctx, initRequest("parent")); err != nil {
+	if err := c.Init(bctx, initRequest("parent", 0)); err != nil {
 		return fmt.Errorf("parent init: %w", err)
 	}
 	for _, cmd := range spec.Warmup {
@@ -325,11 +325,12 @@ func DialAgent(ctx context.Context, m vmm.Machine, opts agent.Options) (*agent.C
 }
 
 // initRequest is what every VM is told after boot or restore: the time,
-// fresh entropy, and who it is.
-func initRequest(id string) proto.InitRequest {
+// fresh entropy, who it is, and its guest pids limit (0: the agent's
+// default).
+func initRequest(id string, pidsLimit int) proto.InitRequest {
 	ent := make([]byte, 64)
 	rand.Read(ent)
-	return proto.InitRequest{Time: time.Now(), Entropy: ent, SandboxID: id, Hostname: id}
+	return proto.InitRequest{Time: time.Now(), Entropy: ent, SandboxID: id, Hostname: id, PIDsLimit: pidsLimit}
 }
 
 func consoleTail(path string) string {

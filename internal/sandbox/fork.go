@@ -7,9 +7,11 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"sync"
 	"time"
 
+	"github.com/forkd/forkd/internal/agent/proto"
 	"github.com/forkd/forkd/internal/cleanup"
 	"github.com/forkd/forkd/internal/errdefs"
 	"github.com/forkd/forkd/internal/snapshot"
@@ -45,6 +47,9 @@ type ForkSpec struct {
 	Limits *state.Limits
 	// OnUnresponsive overrides Config.Unresponsive for these children.
 	OnUnresponsive string
+	// GuestPIDsLimit, when positive, caps the tasks inside each child's
+	// guest (proto.InitRequest.PIDsLimit); 0 is the agent's default.
+	GuestPIDsLimit int
 
 	batch string // set by Fork: the open batch the children belong to
 }
@@ -268,7 +273,11 @@ func (e *Engine) forkOne(ctx context.Context, snap *snapshot.Snapshot, spec Fork
 	if err != nil {
 		return fail(err)
 	}
-	if err := client.Init(rctx, initRequest(id)); err != nil {
+	if spec.GuestPIDsLimit > 0 && !slices.Contains(client.Features(), proto.FeatureLimits) {
+		client.Close()
+		return fail(errdefs.FailedPrecondition("guest pids limit: the agent of snapshot %s cannot apply it (made with an older agent; snapshot it again)", spec.Tag))
+	}
+	if err := client.Init(rctx, initRequest(id, spec.GuestPIDsLimit)); err != nil {
 		client.Close()
 		return fail(fmt.Errorf("init: %w", err))
 	}

@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -156,6 +158,75 @@ func TestGuestProtectsItselfVM(t *testing.T) {
 		})
 		if sb, err := c.GetSandbox(ctx, id); err != nil || sb.Status != apiv1.SandboxRunning {
 			t.Errorf("sandbox after the fill: %+v %v", sb, err)
+		}
+	})
+
+	t.Run("pids", func(t *testing.T) {
+		// Pings go on answering while the guest runs a fork bomb.
+		pinging := func(t *testing.T, id string) (stop func()) {
+			done, finished := make(chan struct{}), make(chan struct{})
+			go func() {
+				defer close(finished)
+				var worst time.Duration
+				var n int
+				for {
+					select {
+					case <-done:
+						t.Logf("%d pings during the bomb, the slowest %v", n, worst.Round(time.Millisecond))
+						return
+					case <-time.After(200 * time.Millisecond):
+					}
+					pctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+					start := time.Now()
+					_, err := c.Ping(pctx, id)
+					cancel()
+					worst, n = max(worst, time.Since(start)), n+1
+					if err != nil {
+						t.Errorf("ping during the bomb: %v after %v", err, time.Since(start))
+					}
+				}
+			}()
+			return func() { close(done); <-finished }
+		}
+		bomb := apiv1.ExecRequest{Shell: "bomb() { bomb | bomb & }; bomb; sleep 10", TimeoutSecs: 30}
+		for _, limit := range []int{64, 0} {
+			id := sandboxOf(t, apiv1.CreateSandboxesRequest{GuestPIDsLimit: limit})
+			r, err := c.Exec(ctx, id, apiv1.ExecRequest{Shell: "cat /sys/fs/cgroup/workload/pids.max"})
+			want, _ := strconv.Atoi(strings.TrimSpace(r.Stdout))
+			// The default of a 256 MiB guest: one task per 512 KiB of its
+			// workload's 170.5 MiB.
+			if err != nil || limit > 0 && want != limit || limit == 0 && want != 341 {
+				t.Fatalf("guest_pids_limit %d: pids.max %+v %v", limit, r, err)
+			}
+			if limit > 0 {
+				// fork fails with EAGAIN at the limit.
+				fork := "import errno, os, time\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n            time.sleep(60)\n            os._exit(0)\n        n += 1\nexcept OSError as e:\n    print(n, errno.errorcode[e.errno])\n"
+				r, err := c.Exec(ctx, id, apiv1.ExecRequest{Args: []string{"python3", "-c", fork}, TimeoutSecs: 60})
+				var n int
+				var code string
+				if err == nil {
+					fmt.Sscan(r.Stdout, &n, &code)
+				}
+				if err != nil || code != "EAGAIN" || n >= limit || n < limit/2 {
+					t.Errorf("forks up to the limit of %d: %+v %v", limit, r, err)
+				}
+			}
+			stop := pinging(t, id)
+			start := time.Now()
+			r, err = c.Exec(ctx, id, bomb)
+			stop()
+			if err != nil {
+				t.Fatalf("fork bomb under a limit of %d: %v after %v", want, err, time.Since(start))
+			}
+			t.Logf("fork bomb under a limit of %d: exit %d in %d ms, %d lines of stderr", want, r.ExitCode, r.DurationMS, strings.Count(r.Stderr, "\n"))
+			if !strings.Contains(r.Stderr, "Cannot fork") {
+				t.Errorf("fork bomb never met the limit of %d: %q", want, r.Stderr[:min(len(r.Stderr), 500)])
+			}
+			quick(t, "exec after the bomb", func(ctx context.Context) error {
+				r, err := c.Exec(ctx, id, apiv1.ExecRequest{Shell: "cat /sys/fs/cgroup/workload/pids.current"})
+				t.Logf("tasks left: %s", r.Stdout)
+				return err
+			})
 		}
 	})
 }

@@ -34,6 +34,9 @@ const (
 	FeatureFiles     = "files"
 	FeatureProcesses = "processes"
 	FeatureEval      = "eval" // a Python interpreter is configured
+	// FeatureLimits: the agent runs its processes in a workload cgroup
+	// and applies InitRequest.PIDsLimit.
+	FeatureLimits = "limits"
 )
 
 // Operations named in Request.Op.
@@ -135,6 +138,11 @@ type InitRequest struct {
 	Entropy   []byte    `json:"entropy,omitempty"`
 	SandboxID string    `json:"sandbox_id,omitempty"`
 	Hostname  string    `json:"hostname,omitempty"`
+	// PIDsLimit caps the tasks (processes and threads) of everything the
+	// agent starts: pids.max of its workload cgroup. 0 applies the
+	// agent's default, which it derives from the guest's RAM; agents
+	// without FeatureLimits ignore it.
+	PIDsLimit int `json:"pids_limit,omitempty"`
 }
 
 // ExecRequest starts a process. Exactly one of Args and Shell is set; Shell

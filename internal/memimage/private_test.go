@@ -256,6 +256,9 @@ func TestPrivateErrors(t *testing.T) {
 	if _, err := Private(gone); !errdefs.IsNotFound(err) {
 		t.Errorf("exited process: Private = %v, want NotFound", err)
 	}
+	if _, err := Copy(gone, Pages{PageSize: ps, Runs: []Run{{0, 1}}}, nil); !errdefs.IsNotFound(err) {
+		t.Errorf("exited process: Copy = %v, want NotFound", err)
+	}
 
 	// A region that is not mapped.
 	hole, err := unix.Mmap(-1, 0, 4*ps, unix.PROT_READ, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
@@ -268,6 +271,14 @@ func TestPrivateErrors(t *testing.T) {
 	}
 	if _, err := Private(unmapped); !errdefs.IsNotFound(err) {
 		t.Errorf("unmapped region: Private = %v, want NotFound", err)
+	}
+	dst, err := os.Create(filepath.Join(t.TempDir(), "dst"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer dst.Close()
+	if _, err := Copy(unmapped, Pages{PageSize: ps, Runs: []Run{{1, 2}}}, dst); !errdefs.IsNotFound(err) {
+		t.Errorf("unmapped region: Copy = %v, want NotFound", err)
 	}
 
 	// Malformed maps.
@@ -374,5 +385,22 @@ func TestOtherProcess(t *testing.T) {
 	want := Pages{PageSize: ps, Runs: []Run{{2, 2}, {9, 1}}}
 	if !reflect.DeepEqual(pages, want) {
 		t.Fatalf("Private = %v, want %v", pages, want)
+	}
+	out := filepath.Join(dir, "layer")
+	if n, err := Copy(mm, pages, newImageFile(t, out, int64(size))); err != nil || n != 3*int64(ps) {
+		t.Fatalf("Copy = %d, %v", n, err)
+	}
+	got, err := os.ReadFile(out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; i < 16; i++ {
+		b := byte(0)
+		if i == 2 || i == 3 || i == 9 {
+			b = 0xab
+		}
+		if !bytes.Equal(got[i*ps:(i+1)*ps], bytes.Repeat([]byte{b}, ps)) {
+			t.Fatalf("page %d of the layer is wrong", i)
+		}
 	}
 }

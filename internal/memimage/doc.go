@@ -26,4 +26,22 @@
 //	p, _ = Private(mm); l.Copy(mm, p)    // exact now
 //	// resume the guest
 //	l.Commit()                           // fsync + rename, outside the pause
+//
+// Costs (BenchmarkPrivate, BenchmarkCopy, BenchmarkMaterialize), measured
+// on a 2-core shared VM without KVM at load 4-10, ext4, for mappings with
+// 5% of their pages written, either as single pages (scattered) or in runs
+// of 64 pages:
+//
+//   - Private: 0.4-1.2 ms for 256 MiB; 1.3-1.7 ms for 1 GiB (runs), 2.2-5.7
+//     ms (scattered). Mostly the kernel's pagemap walk; one pread per region.
+//   - Copy, 51 MiB of a 1 GiB guest: 10-28 ms in runs over pages dst already
+//     holds (a pre-copy's), 13-37 ms into new page cache (1.4-5 GB/s). Single
+//     pages cost one pwrite each, 3.5-11 µs: 45-150 ms for 12,600 of them.
+//     Writing through a MAP_SHARED mapping of dst instead of pwrite was no
+//     faster over held pages and 25-100 times slower into new ones.
+//   - Materialize of a 256 MiB image (128 MiB of base data, a 5% layer),
+//     fsync included: 1.0-1.15 s.
+//
+// Neither Private nor Copy makes a syscall per page where pages form runs,
+// nor allocates per page.
 package memimage

@@ -1,6 +1,8 @@
 package memimage
 
 import (
+	"crypto/sha256"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
@@ -240,4 +242,36 @@ func commit(f *os.File, path string) error {
 		return fileError("commit", err)
 	}
 	return fsutil.SyncDir(filepath.Dir(path))
+}
+
+// DataHash returns a SHA-256 over the data extents of the file at path
+// (each extent's offset and length, then its bytes) and the file's size,
+// without reading its holes: two images with the same data at the same
+// places hash alike, however their holes were made.
+func DataHash(path string) ([]byte, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, errdefs.NotFound("%s: %w", path, err)
+	}
+	defer f.Close()
+	st, err := f.Stat()
+	if err != nil {
+		return nil, err
+	}
+	h := sha256.New()
+	buf := make([]byte, 1<<20)
+	var hdr [16]byte
+	err = dataExtents(f, st.Size(), func(off, n int64) error {
+		binary.BigEndian.PutUint64(hdr[:8], uint64(off))
+		binary.BigEndian.PutUint64(hdr[8:], uint64(n))
+		h.Write(hdr[:])
+		_, err := io.CopyBuffer(h, io.NewSectionReader(f, off, n), buf)
+		return err
+	})
+	if err != nil {
+		return nil, err
+	}
+	binary.BigEndian.PutUint64(hdr[:8], uint64(st.Size()))
+	h.Write(hdr[:8])
+	return h.Sum(nil), nil
 }

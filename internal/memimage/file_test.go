@@ -290,3 +290,35 @@ func TestLayer(t *testing.T) {
 	}
 	noTemps(t, dir, "base", "full")
 }
+
+func TestDataHashSkipsHoles(t *testing.T) {
+	dir := t.TempDir()
+	a, b := filepath.Join(dir, "a"), filepath.Join(dir, "b")
+	for _, p := range []string{a, b} {
+		f, err := os.Create(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := f.Truncate(1 << 20); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := f.WriteAt([]byte("page"), 8192); err != nil {
+			t.Fatal(err)
+		}
+		f.Close()
+	}
+	ha, err := DataHash(a)
+	if err != nil {
+		t.Fatal(err)
+	}
+	hb, _ := DataHash(b)
+	if string(ha) != string(hb) {
+		t.Fatal("same data, different hashes")
+	}
+	f, _ := os.OpenFile(b, os.O_WRONLY, 0)
+	_, _ = f.WriteAt([]byte("x"), 0)
+	f.Close()
+	if hb2, _ := DataHash(b); string(hb2) == string(ha) {
+		t.Fatal("changed data, same hash")
+	}
+}

@@ -29,6 +29,7 @@ func TestErrorRoundTrip(t *testing.T) {
 		{errdefs.DeadlineExceeded("x"), http.StatusGatewayTimeout, "deadline_exceeded"},
 		{fmt.Errorf("exec: %w", context.DeadlineExceeded), http.StatusGatewayTimeout, "deadline_exceeded"},
 		{&http.MaxBytesError{Limit: 10}, http.StatusRequestEntityTooLarge, "internal"},
+		{&tooLarge{&http.MaxBytesError{Limit: 10}}, http.StatusRequestEntityTooLarge, "invalid_argument"},
 		{fmt.Errorf("boom"), http.StatusInternalServerError, "internal"},
 	} {
 		t.Run(tc.code+"/"+tc.err.Error(), func(t *testing.T) {

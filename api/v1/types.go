@@ -7,6 +7,7 @@
 // Every error is an ErrorResponse with a stable Error.Code (see the Code*
 // constants) and the HTTP status that goes with it. Responses only gain
 // fields; requests are decoded strictly (an unknown field is an error).
+// A field's `doc` tag is its description in the OpenAPI document.
 package v1
 
 import "time"
@@ -231,7 +232,9 @@ type NetworkRule struct {
 // children of SnapshotTag. The batch is all or nothing unless KeepPartial.
 type CreateSandboxesRequest struct {
 	SnapshotTag string `json:"snapshot_tag"`
-	N           int    `json:"n,omitempty"` // default 1
+	// N is the number of children: 1 to the daemon's --max-per-request
+	// (default 100); 0 or absent means 1.
+	N int `json:"n,omitempty" doc:"children to fork: 1 to the daemon's --max-per-request (default 100); 0 or absent means 1"`
 	// TimeoutSecs, when positive, kills each sandbox that long after it
 	// became ready (see POST /v1/sandboxes/{id}/timeout).
 	TimeoutSecs int               `json:"timeout_secs,omitempty"`

@@ -66,7 +66,7 @@ func ForkSpec(req *apiv1.CreateSandboxesRequest, maxN int) (sandbox.ForkSpec, er
 		n = 1
 	}
 	if n < 1 || n > maxN {
-		return spec, errdefs.InvalidArgument("n = %d: want 1 to %d per request", req.N, maxN)
+		return spec, errdefs.InvalidArgument("n = %d: want 1 to %d (0 means 1)", req.N, maxN)
 	}
 	maxSecs := int(sandbox.MaxTimeout / time.Second)
 	if req.TimeoutSecs < 0 || req.TimeoutSecs > maxSecs {

@@ -195,6 +195,7 @@ type jsonField struct {
 	name     string
 	optional bool // omitempty or omitzero
 	typ      reflect.Type
+	doc      string // its `doc` tag: the OpenAPI description
 }
 
 // jsonFields lists struct t's fields as encoding/json sees them: by tag
@@ -219,7 +220,7 @@ func jsonFields(t reflect.Type) []jsonField {
 			name = f.Name
 		}
 		optional := strings.Contains(opts, "omitempty") || strings.Contains(opts, "omitzero")
-		out = append(out, jsonField{name: name, optional: optional, typ: f.Type})
+		out = append(out, jsonField{name: name, optional: optional, typ: f.Type, doc: f.Tag.Get("doc")})
 	}
 	return out
 }

@@ -159,7 +159,13 @@ func (g *schemaGen) object(t reflect.Type) map[string]any {
 	props := map[string]any{}
 	var required []string
 	for _, f := range jsonFields(t) {
-		props[f.name] = g.schema(f.typ)
+		s := g.schema(f.typ)
+		if f.doc != "" {
+			if _, ref := s["$ref"]; !ref { // a $ref's siblings are ignored
+				s["description"] = f.doc
+			}
+		}
+		props[f.name] = s
 		if !f.optional {
 			required = append(required, f.name)
 		}

@@ -1,6 +1,7 @@
 package server
 
 import (
+	"fmt"
 	"math"
 	"os"
 	"path/filepath"
@@ -109,5 +110,25 @@ func TestSnapshotImportChecked(t *testing.T) {
 	}
 	if ents, _ := os.ReadDir(filepath.Join(d.data, "snapshots")); len(ents) != 0 {
 		t.Errorf("snapshots after refused imports: %v", ents)
+	}
+}
+
+// TestForkCountZeroMeansOne: n 0 (or absent) forks one child, and the
+// message for a bad n says so, as the API documents.
+func TestForkCountZeroMeansOne(t *testing.T) {
+	if spec, err := request.ForkSpec(&apiv1.CreateSandboxesRequest{SnapshotTag: "base"}, 10); err != nil || spec.N != 1 {
+		t.Errorf("n = 0: %+v %v, want one child", spec, err)
+	}
+	for _, n := range []int{-1, 11} {
+		_, err := request.ForkSpec(&apiv1.CreateSandboxesRequest{SnapshotTag: "base", N: n}, 10)
+		want := fmt.Sprintf("n = %d: want 1 to 10 (0 means 1)", n)
+		if !errdefs.IsInvalidArgument(err) || err.Error() != want {
+			t.Errorf("n = %d: %v, want %q", n, err, want)
+		}
+	}
+	d := startDaemon(t, fakeNoVMs{}, sandbox.Admission{}, nil)
+	code, b := d.call(t, "GET", "/v1/openapi.json", "", nil)
+	if code != 200 || !strings.Contains(string(b), "0 or absent means 1") {
+		t.Errorf("the OpenAPI document does not say what n 0 means: %d", code)
 	}
 }

@@ -16,6 +16,8 @@ package errdefs
 import (
 	"errors"
 	"fmt"
+	"strconv"
+	"unicode/utf8"
 )
 
 // The classes. Wrap them; never compare with ==.
@@ -198,4 +200,22 @@ var codes = []struct {
 	{"not_implemented", ErrNotImplemented},
 	{"unauthenticated", ErrUnauthenticated},
 	{"deadline_exceeded", ErrDeadlineExceeded},
+}
+
+// QuoteMax is the most bytes of a string Quote shows.
+const QuoteMax = 64
+
+// Quote is s as %q writes it when s is at most QuoteMax bytes long;
+// otherwise its first QuoteMax bytes (cut at a character boundary), quoted,
+// then "…" and s's length. Messages quote user input with it, so an error
+// about a huge field stays short.
+func Quote(s string) string {
+	if len(s) <= QuoteMax {
+		return strconv.Quote(s)
+	}
+	cut := QuoteMax
+	for cut > 0 && !utf8.RuneStart(s[cut]) {
+		cut--
+	}
+	return fmt.Sprintf("%q… (%d bytes)", s[:cut], len(s))
 }

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io/fs"
 	"os"
+	"strings"
 	"testing"
 )
 
@@ -99,5 +100,22 @@ func TestCodeRoundTrip(t *testing.T) {
 	}
 	if err := FromCode("no_such_code", "m"); Classed(err) || err.Error() != "m" {
 		t.Fatalf("unknown code gave %v (classed %v)", err, Classed(err))
+	}
+}
+
+func TestQuote(t *testing.T) {
+	for in, want := range map[string]string{
+		"":                            `""`,
+		"py":                          `"py"`,
+		"a\x00b":                      `"a\x00b"`,
+		strings.Repeat("x", 64):       `"` + strings.Repeat("x", 64) + `"`,
+		strings.Repeat("x", 65):       `"` + strings.Repeat("x", 64) + `"… (65 bytes)`,
+		strings.Repeat("x", 1<<20):    `"` + strings.Repeat("x", 64) + `"… (1048576 bytes)`,
+		strings.Repeat("é", 40):       `"` + strings.Repeat("é", 32) + `"… (80 bytes)`,
+		"x" + strings.Repeat("é", 40): `"x` + strings.Repeat("é", 31) + `"… (81 bytes)`,
+	} {
+		if got := Quote(in); got != want {
+			t.Errorf("Quote(%.20q…) = %s, want %s", in, got, want)
+		}
 	}
 }

@@ -155,7 +155,7 @@ var (
 // is errdefs.ErrInvalidArgument.
 func ValidateName(name string) error {
 	if !nameRE.MatchString(name) || strings.Contains(name, "..") {
-		return errdefs.InvalidArgument("image name %q: want 1-63 of [A-Za-z0-9._-], starting with a letter or digit, no \"..\"", name)
+		return errdefs.InvalidArgument("image name %s: want 1-63 of [A-Za-z0-9._-], starting with a letter or digit, no \"..\"", errdefs.Quote(name))
 	}
 	return nil
 }

@@ -73,12 +73,12 @@ func ValidateOCIOptions(ref string, o OCIOptions) error {
 	}
 	for _, p := range o.Extra {
 		if !deb.ValidName(p) {
-			return errdefs.InvalidArgument("extra package name %q is not valid", p)
+			return errdefs.InvalidArgument("extra package name %s is not valid", errdefs.Quote(p))
 		}
 	}
 	for _, m := range o.Preload {
 		if !pyModuleRE.MatchString(m) {
-			return errdefs.InvalidArgument("preload module %q is not valid", m)
+			return errdefs.InvalidArgument("preload module %s is not valid", errdefs.Quote(m))
 		}
 	}
 	if len(ref) > MaxRefLen {

@@ -84,7 +84,7 @@ func ParsePortRange(s string) (PortRange, error) {
 	}
 	r := PortRange{uint16(first), uint16(last)}
 	if err1 != nil || err2 != nil {
-		return PortRange{}, errdefs.InvalidArgument("port range %q: want PORT or FIRST-LAST", s)
+		return PortRange{}, errdefs.InvalidArgument("port range %s: want PORT or FIRST-LAST", errdefs.Quote(s))
 	}
 	return r, r.validate()
 }
@@ -128,7 +128,7 @@ func (p Policy) Validate() (Policy, error) {
 			return Policy{}, errdefs.InvalidArgument("policy deny takes no allow rules")
 		}
 	default:
-		return Policy{}, errdefs.InvalidArgument("policy mode %q: want allow, deny or allowlist", p.Mode)
+		return Policy{}, errdefs.InvalidArgument("policy mode %s: want allow, deny or allowlist", errdefs.Quote(string(p.Mode)))
 	}
 	out := Policy{Mode: p.Mode}
 	for i, r := range p.Allow {
@@ -143,7 +143,7 @@ func (p Policy) Validate() (Policy, error) {
 				return Policy{}, errdefs.InvalidArgument("allow rule %d: icmp has no ports", i)
 			}
 		default:
-			return Policy{}, errdefs.InvalidArgument("allow rule %d: protocol %q: want tcp, udp or icmp", i, r.Proto)
+			return Policy{}, errdefs.InvalidArgument("allow rule %d: protocol %s: want tcp, udp or icmp", i, errdefs.Quote(r.Proto))
 		}
 		for _, pr := range r.Ports {
 			if err := pr.validate(); err != nil {

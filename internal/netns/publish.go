@@ -104,7 +104,7 @@ func checkPub(slot, guestPort int, proto string, m *Manager) error {
 		return err
 	}
 	if proto != "tcp" && proto != "udp" {
-		return errdefs.InvalidArgument("protocol %q: want tcp or udp", proto)
+		return errdefs.InvalidArgument("protocol %s: want tcp or udp", errdefs.Quote(proto))
 	}
 	if guestPort < 1 || guestPort > 65535 {
 		return errdefs.InvalidArgument("guest port %d out of range", guestPort)

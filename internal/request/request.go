@@ -74,7 +74,7 @@ func ForkSpec(req *apiv1.CreateSandboxesRequest, maxN int) (sandbox.ForkSpec, er
 	}
 	for k, v := range req.Metadata {
 		if k == "" || len(k) > 128 || len(v) > 1024 || strings.ContainsAny(k, "=\x00") {
-			return spec, errdefs.InvalidArgument("metadata %q: keys are 1 to 128 bytes without '=', values at most 1024 bytes", k)
+			return spec, errdefs.InvalidArgument("metadata %s: keys are 1 to 128 bytes without '=', values at most 1024 bytes", errdefs.Quote(k))
 		}
 	}
 	if len(req.Metadata) > 64 {
@@ -149,7 +149,7 @@ func NetworkPolicy(n *apiv1.NetworkSpec) (netns.Policy, error) {
 	for i, r := range n.Allow {
 		cidr, err := netip.ParsePrefix(r.CIDR)
 		if err != nil {
-			return netns.Policy{}, errdefs.InvalidArgument("network.allow[%d].cidr %q: want a CIDR such as 10.1.0.0/16", i, r.CIDR)
+			return netns.Policy{}, errdefs.InvalidArgument("network.allow[%d].cidr %s: want a CIDR such as 10.1.0.0/16", i, errdefs.Quote(r.CIDR))
 		}
 		if len(r.Ports) > maxRulePorts {
 			return netns.Policy{}, errdefs.InvalidArgument("network.allow[%d] has %d port ranges; the limit is %d", i, len(r.Ports), maxRulePorts)
@@ -300,7 +300,7 @@ func Exec(req *apiv1.ExecRequest) (agent.ExecRequest, error) {
 	}
 	for k := range req.Env {
 		if k == "" || strings.ContainsAny(k, "=\x00") {
-			return out, errdefs.InvalidArgument("env name %q: want a name without '=' or NUL", k)
+			return out, errdefs.InvalidArgument("env name %s: want a name without '=' or NUL", errdefs.Quote(k))
 		}
 	}
 	d, err := CallTimeout("timeout_secs", req.TimeoutSecs)

@@ -268,11 +268,11 @@ func newID() string {
 // ValidateID checks a sandbox id's shape before it names anything.
 func ValidateID(id string) error {
 	if len(id) != 13 || !strings.HasPrefix(id, "sb-") {
-		return errdefs.InvalidArgument("sandbox id %q: want sb- and 10 characters", id)
+		return errdefs.InvalidArgument("sandbox id %s: want sb- and 10 characters", errdefs.Quote(id))
 	}
 	for _, r := range id[3:] {
 		if !(r >= 'a' && r <= 'z' || r >= '2' && r <= '7') {
-			return errdefs.InvalidArgument("sandbox id %q: bad character %q", id, r)
+			return errdefs.InvalidArgument("sandbox id %s: bad character %q", errdefs.Quote(id), r)
 		}
 	}
 	return nil

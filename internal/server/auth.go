@@ -179,10 +179,10 @@ func (s *Server) authenticate(r *http.Request) (caller string, err error) {
 		// their page in Origin and the site in Host; an API client does
 		// neither, and names a loopback host.
 		if o := r.Header.Get("Origin"); o != "" {
-			return "anonymous@" + host, errdefs.Unauthenticated("requests from web pages (Origin %q) are refused by a daemon without a token", o)
+			return "anonymous@" + host, errdefs.Unauthenticated("requests from web pages (Origin %s) are refused by a daemon without a token", errdefs.Quote(o))
 		}
 		if !loopback.Host(r.Host) {
-			return "anonymous@" + host, errdefs.Unauthenticated("Host %q: a daemon without a token answers only requests for localhost or a loopback address", r.Host)
+			return "anonymous@" + host, errdefs.Unauthenticated("Host %s: a daemon without a token answers only requests for localhost or a loopback address", errdefs.Quote(r.Host))
 		}
 		return "anonymous@" + host, nil
 	}

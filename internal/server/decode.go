@@ -9,6 +9,7 @@ import (
 	"mime"
 	"net/http"
 	"reflect"
+	"strconv"
 	"strings"
 
 	"github.com/forkd/forkd/internal/errdefs"
@@ -156,7 +157,7 @@ func checkKeys(dec *json.Decoder, t reflect.Type, at string) error {
 				where = at + "." + key
 			}
 			if seen[key] {
-				return errdefs.InvalidArgument("request body: key %q appears twice", where)
+				return errdefs.InvalidArgument("request body: key %s appears twice", errdefs.Quote(where))
 			}
 			seen[key] = true
 			var ft reflect.Type
@@ -164,7 +165,7 @@ func checkKeys(dec *json.Decoder, t reflect.Type, at string) error {
 			case t != nil && t.Kind() == reflect.Struct:
 				f, ok := fieldByJSONName(t, key)
 				if !ok {
-					return errdefs.InvalidArgument("request body: unknown field %q", where)
+					return errdefs.InvalidArgument("request body: unknown field %s", errdefs.Quote(where))
 				}
 				ft = f
 			case t != nil && t.Kind() == reflect.Map:
@@ -246,9 +247,18 @@ func bodyError(err error) error {
 		if field == "" {
 			field = "(top level)"
 		}
-		return errdefs.InvalidArgument("request body: field %s: want %s, got JSON %s", field, typ.Type, typ.Value)
+		// Value is a kind, and for a number its text: maybe huge.
+		got := typ.Value
+		if kind, num, ok := strings.Cut(got, " "); ok && len(got) > errdefs.QuoteMax {
+			got = kind + " " + errdefs.Quote(num)
+		}
+		return errdefs.InvalidArgument("request body: field %s: want %s, got JSON %s", field, typ.Type, got)
 	case strings.HasPrefix(err.Error(), "json: unknown field "):
-		return errdefs.InvalidArgument("request body: %s", strings.TrimPrefix(err.Error(), "json: "))
+		name := strings.TrimPrefix(err.Error(), "json: unknown field ")
+		if s, err := strconv.Unquote(name); err == nil {
+			name = errdefs.Quote(s)
+		}
+		return errdefs.InvalidArgument("request body: unknown field %s", name)
 	}
 	if errdefs.Classed(err) {
 		return err

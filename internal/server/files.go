@@ -28,7 +28,7 @@ func checkGuestPath(name, p string) (string, error) {
 		return "", errdefs.InvalidArgument("%s is required", name)
 	}
 	if !strings.HasPrefix(p, "/") || len(p) > maxPathBytes || strings.ContainsRune(p, 0) {
-		return "", errdefs.InvalidArgument("%s %q: want an absolute guest path of at most %d bytes", name, p, maxPathBytes)
+		return "", errdefs.InvalidArgument("%s %s: want an absolute guest path of at most %d bytes", name, errdefs.Quote(p), maxPathBytes)
 	}
 	return p, nil
 }
@@ -84,7 +84,7 @@ func (s *Server) writeFile(r *http.Request) (any, error) {
 	if m := r.URL.Query().Get("mode"); m != "" {
 		v, err := strconv.ParseUint(m, 8, 32)
 		if err != nil || v > 0o7777 {
-			return nil, errdefs.InvalidArgument("mode %q: want octal permission bits such as 0644", m)
+			return nil, errdefs.InvalidArgument("mode %s: want octal permission bits such as 0644", errdefs.Quote(m))
 		}
 		mode = fs.FileMode(v&0o777) | modeExtra(v)
 	}
@@ -139,7 +139,7 @@ func boolParam(r *http.Request, name string) (bool, error) {
 	}
 	b, err := strconv.ParseBool(v)
 	if err != nil {
-		return false, errdefs.InvalidArgument("%s %q: want true or false", name, v)
+		return false, errdefs.InvalidArgument("%s %s: want true or false", name, errdefs.Quote(v))
 	}
 	return b, nil
 }
@@ -152,7 +152,7 @@ func (s *Server) listFiles(r *http.Request) (any, error) {
 	depth := 1
 	if d := r.URL.Query().Get("depth"); d != "" {
 		if depth, err = strconv.Atoi(d); err != nil || depth < 1 || depth > 64 {
-			return nil, errdefs.InvalidArgument("depth %q: want 1 to 64", d)
+			return nil, errdefs.InvalidArgument("depth %s: want 1 to 64", errdefs.Quote(d))
 		}
 	}
 	var out apiv1.FileList

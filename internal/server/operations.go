@@ -146,7 +146,7 @@ func (o *operations) get(id string) (apiv1.Operation, error) {
 	defer o.mu.Unlock()
 	op := o.ops[id]
 	if op == nil {
-		return apiv1.Operation{}, errdefs.NotFound("operation %q not found", id)
+		return apiv1.Operation{}, errdefs.NotFound("operation %s not found", errdefs.Quote(id))
 	}
 	return *op, nil
 }

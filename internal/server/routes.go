@@ -174,13 +174,13 @@ func checkQuery(r *http.Request, params []param) error {
 	for name := range r.URL.Query() {
 		if !slices.ContainsFunc(params, func(p param) bool { return p.Name == name }) {
 			if len(params) == 0 {
-				return errdefs.InvalidArgument("unknown query parameter %q: %s %s takes none", name, r.Method, r.URL.Path)
+				return errdefs.InvalidArgument("unknown query parameter %s: %s %s takes none", errdefs.Quote(name), r.Method, errdefs.Quote(r.URL.Path))
 			}
 			names := make([]string, len(params))
 			for i, p := range params {
 				names[i] = p.Name
 			}
-			return errdefs.InvalidArgument("unknown query parameter %q: want one of %s", name, strings.Join(names, ", "))
+			return errdefs.InvalidArgument("unknown query parameter %s: want one of %s", errdefs.Quote(name), strings.Join(names, ", "))
 		}
 	}
 	return nil
@@ -207,8 +207,8 @@ func (s *Server) noRoute(w http.ResponseWriter, r *http.Request) {
 	if len(allow) > 0 {
 		w.Header().Set("Allow", strings.Join(allow, ", "))
 		writeJSON(w, http.StatusMethodNotAllowed, apiv1.ErrorResponse{Error: apiv1.Error{
-			Code: apiv1.CodeInvalidArgument, Message: r.Method + " " + r.URL.Path + ": method not allowed (allowed: " + strings.Join(allow, ", ") + ")"}})
+			Code: apiv1.CodeInvalidArgument, Message: r.Method + " " + errdefs.Quote(r.URL.Path) + ": method not allowed (allowed: " + strings.Join(allow, ", ") + ")"}})
 		return
 	}
-	writeError(w, errdefs.NotFound("no route %s %s (see /v1/openapi.json)", r.Method, r.URL.Path))
+	writeError(w, errdefs.NotFound("no route %s %s (see /v1/openapi.json)", errdefs.Quote(r.Method), errdefs.Quote(r.URL.Path)))
 }

@@ -80,13 +80,13 @@ func (s *Server) listSandboxes(r *http.Request) (any, error) {
 	for _, kv := range q["metadata"] {
 		k, v, ok := strings.Cut(kv, "=")
 		if !ok || k == "" {
-			return nil, errdefs.InvalidArgument("metadata filter %q: want KEY=VALUE", kv)
+			return nil, errdefs.InvalidArgument("metadata filter %s: want KEY=VALUE", errdefs.Quote(kv))
 		}
 		want[k] = v
 	}
 	status := q.Get("status")
 	if status != "" && !slices.Contains(request.SandboxStatuses, status) {
-		return nil, errdefs.InvalidArgument("status %q: want one of %s", status, strings.Join(request.SandboxStatuses, ", "))
+		return nil, errdefs.InvalidArgument("status %s: want one of %s", errdefs.Quote(status), strings.Join(request.SandboxStatuses, ", "))
 	}
 	list, err := s.e.List(r.Context())
 	if err != nil {

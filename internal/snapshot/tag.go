@@ -22,7 +22,7 @@ func ValidateTag(tag string) error {
 	case len(tag) > MaxTagLen:
 		return errdefs.InvalidArgument("tag is %d characters long; the limit is %d", len(tag), MaxTagLen)
 	case !tagRE.MatchString(tag):
-		return errdefs.InvalidArgument("tag %q: use letters, digits, '.', '_' and '-', starting with a letter or digit", tag)
+		return errdefs.InvalidArgument("tag %s: use letters, digits, '.', '_' and '-', starting with a letter or digit", errdefs.Quote(tag))
 	}
 	return nil
 }

@@ -153,7 +153,7 @@ func Locate(ref, root string) (Kind, string, error) {
 		// Confined, and not in root: never looked up against the working
 		// directory (that would reach, and tell of, any file on the host).
 		if _, err := name.ParseReference(ref); err != nil {
-			return "", "", errdefs.InvalidArgument("image reference %q: %w", ref, err)
+			return "", "", badRef(ref, err)
 		}
 		return KindRegistry, ref, nil
 	}
@@ -161,16 +161,16 @@ func Locate(ref, root string) (Kind, string, error) {
 	switch {
 	case err == nil && fi.IsDir():
 		if !exists(filepath.Join(path, "oci-layout")) {
-			return "", "", errdefs.InvalidArgument("image %s: a directory without an oci-layout file", ref)
+			return "", "", errdefs.InvalidArgument("image %s: a directory without an oci-layout file", errdefs.Quote(ref))
 		}
 		return KindLayout, path, nil
 	case err == nil:
 		return KindTarball, path, nil
 	case local:
-		return "", "", errdefs.NotFound("image %s: no such file", ref)
+		return "", "", errdefs.NotFound("image %s: no such file", errdefs.Quote(ref))
 	}
 	if _, err := name.ParseReference(ref); err != nil {
-		return "", "", errdefs.InvalidArgument("image reference %q: %w", ref, err)
+		return "", "", badRef(ref, err)
 	}
 	return KindRegistry, ref, nil
 }
@@ -186,19 +186,28 @@ func confine(path, root string) (string, error) {
 	if !filepath.IsAbs(path) {
 		path = filepath.Join(root, path)
 	}
-	outside := errdefs.InvalidArgument("image path %s is outside the import directory %s: only paths inside it can be imported", path, root)
+	outside := errdefs.InvalidArgument("image path %s is outside the import directory %s: only paths inside it can be imported", errdefs.Quote(path), root)
 	path = filepath.Clean(path)
 	if !within(path, root) && !within(path, rroot) {
 		return "", outside
 	}
 	resolved, err := filepath.EvalSymlinks(path)
 	if err != nil {
-		return "", errdefs.NotFound("image %s: no such file", path)
+		return "", errdefs.NotFound("image %s: no such file", errdefs.Quote(path))
 	}
 	if !within(resolved, rroot) {
 		return "", outside
 	}
 	return resolved, nil
+}
+
+// badRef is the error for a reference the parser refused. The parser's
+// complaint repeats the reference, so it is left out for a long one.
+func badRef(ref string, err error) error {
+	if len(ref) > errdefs.QuoteMax {
+		return errdefs.InvalidArgument("image reference %s is not valid", errdefs.Quote(ref))
+	}
+	return errdefs.InvalidArgument("image reference %q: %w", ref, err)
 }
 
 // within reports whether path is dir or inside it (both clean).
@@ -219,7 +228,7 @@ func openRemote(ctx context.Context, ref string, o OpenOptions) (*Source, error)
 	}
 	r, err := name.ParseReference(ref, nopts...)
 	if err != nil {
-		return nil, errdefs.InvalidArgument("image reference %q: %w", ref, err)
+		return nil, badRef(ref, err)
 	}
 	kc := o.Keychain
 	if kc == nil {

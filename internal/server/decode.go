@@ -9,6 +9,7 @@ import (
 	"mime"
 	"net/http"
 	"reflect"
+	"slices"
 	"strconv"
 	"strings"
 
@@ -64,15 +65,43 @@ func (s *skipNewline) Read(p []byte) (int, error) {
 	}
 }
 
-// mediaType is r's Content-Type without parameters, lower case ("" when
-// absent or malformed).
-func mediaType(r *http.Request) string {
-	mt, _, err := mime.ParseMediaType(r.Header.Get("Content-Type"))
-	if err != nil {
-		return ""
+// jsonType is the media type of JSON request bodies.
+const jsonType = "application/json"
+
+// bodyType returns r's media type (lower case, without parameters) when it
+// is application/json or one of also; any other, none or a charset other
+// than UTF-8 is an unsupportedType error (415).
+func bodyType(r *http.Request, also ...string) (string, error) {
+	want := append([]string{jsonType}, also...)
+	ct := r.Header.Get("Content-Type")
+	if ct == "" {
+		return "", &unsupportedType{want: want}
 	}
-	return mt
+	mt, params, err := mime.ParseMediaType(ct)
+	if err != nil || mt != jsonType && !slices.Contains(also, mt) {
+		return "", &unsupportedType{got: ct, want: want}
+	}
+	if cs, ok := params["charset"]; ok && !strings.EqualFold(cs, "utf-8") {
+		return "", &unsupportedType{got: ct, want: want}
+	}
+	return mt, nil
 }
+
+// unsupportedType is a request body of a media type the route does not
+// take: class InvalidArgument, status 415.
+type unsupportedType struct {
+	got  string // the Content-Type header; "" when absent
+	want []string
+}
+
+func (e *unsupportedType) Error() string {
+	want := strings.Join(e.want, " or ")
+	if e.got == "" {
+		return "request body without a Content-Type: want " + want
+	}
+	return fmt.Sprintf("Content-Type %s: want %s (charset utf-8, if given)", errdefs.Quote(e.got), want)
+}
+func (e *unsupportedType) Unwrap() error { return errdefs.ErrInvalidArgument }
 
 // tooLarge is a body over the limit: class InvalidArgument, and the
 // *http.MaxBytesError that gives it status 413.

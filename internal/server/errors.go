@@ -26,12 +26,19 @@ var statuses = map[error]int{
 }
 
 // httpStatus maps an error to its HTTP status: 413 for a body over its
-// limit, else by its class, else 504 for a deadline, 500 for the rest.
+// limit and 415 for one of a media type the route does not take (both of
+// class InvalidArgument), else by its class, else 504 for a deadline and
+// 500 for the rest.
 func httpStatus(err error) int {
-	// A body over its limit is an invalid argument, told apart as 413.
-	var tooBig *http.MaxBytesError
-	if errors.As(err, &tooBig) {
+	var (
+		tooBig  *http.MaxBytesError
+		badType *unsupportedType
+	)
+	switch {
+	case errors.As(err, &tooBig):
 		return http.StatusRequestEntityTooLarge
+	case errors.As(err, &badType):
+		return http.StatusUnsupportedMediaType
 	}
 	if st, ok := statuses[errdefs.Class(err)]; ok {
 		return st

@@ -30,6 +30,7 @@ func TestErrorRoundTrip(t *testing.T) {
 		{fmt.Errorf("exec: %w", context.DeadlineExceeded), http.StatusGatewayTimeout, "deadline_exceeded"},
 		{&http.MaxBytesError{Limit: 10}, http.StatusRequestEntityTooLarge, "internal"},
 		{&tooLarge{&http.MaxBytesError{Limit: 10}}, http.StatusRequestEntityTooLarge, "invalid_argument"},
+		{&unsupportedType{got: "text/plain", want: []string{jsonType}}, http.StatusUnsupportedMediaType, "invalid_argument"},
 		{fmt.Errorf("boom"), http.StatusInternalServerError, "internal"},
 	} {
 		t.Run(tc.code+"/"+tc.err.Error(), func(t *testing.T) {

@@ -150,8 +150,11 @@ func (f writerFunc) Write(p []byte) (int, error) { return f(p) }
 func (s *Server) execStream(w http.ResponseWriter, r *http.Request) error {
 	var req apiv1.ExecRequest
 	var stdin io.Reader
-	if mediaType(r) == apiv1.ExecStdinStream {
-		var err error
+	mt, err := bodyType(r, apiv1.ExecStdinStream)
+	if err != nil {
+		return err
+	}
+	if mt == apiv1.ExecStdinStream {
 		if stdin, err = decodeHead(r.Body, s.cfg.MaxBodyBytes, &req); err != nil {
 			return err
 		}
@@ -209,6 +212,9 @@ func (s *Server) eval(r *http.Request, req *apiv1.EvalRequest) (any, error) {
 }
 
 func (s *Server) evalStream(w http.ResponseWriter, r *http.Request) error {
+	if _, err := bodyType(r); err != nil {
+		return err
+	}
 	var req apiv1.EvalRequest
 	if err := decodeBody(w, r, s.cfg.MaxBodyBytes, &req); err != nil {
 		return err

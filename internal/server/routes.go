@@ -49,11 +49,15 @@ func plain(fn func(*Server, *http.Request) (any, error)) handler {
 	return handler{fn: func(s *Server, _ http.ResponseWriter, r *http.Request) (any, error) { return fn(s, r) }}
 }
 
-// body is a handler whose JSON request body is decoded strictly into Req.
+// body is a handler whose JSON request body (Content-Type application/json)
+// is decoded strictly into Req.
 func body[Req any](fn func(*Server, *http.Request, *Req) (any, error)) handler {
 	return handler{
 		req: new(Req),
 		fn: func(s *Server, w http.ResponseWriter, r *http.Request) (any, error) {
+			if _, err := bodyType(r); err != nil {
+				return nil, err
+			}
 			var req Req
 			if err := decodeBody(w, r, s.cfg.MaxBodyBytes, &req); err != nil {
 				return nil, err

@@ -154,8 +154,25 @@ func (l *lockedBuffer) String() string {
 	return l.b.String()
 }
 
-// call sends a raw request over TCP and returns status and body.
+// call sends a raw request over TCP and returns status and body; a body
+// goes as application/json.
 func (d *daemon) call(t testing.TB, method, path, token string, body io.Reader) (int, []byte) {
+	t.Helper()
+	ct := ""
+	if body != nil {
+		ct = "application/json"
+	}
+	return d.send(t, method, path, token, ct, body)
+}
+
+// callCT is call with the token and a body of Content-Type ct ("": no
+// header).
+func (d *daemon) callCT(t testing.TB, method, path, ct string, body io.Reader) (int, []byte) {
+	t.Helper()
+	return d.send(t, method, path, testToken, ct, body)
+}
+
+func (d *daemon) send(t testing.TB, method, path, token, ct string, body io.Reader) (int, []byte) {
 	t.Helper()
 	req, err := http.NewRequest(method, d.url+path, body)
 	if err != nil {
@@ -163,6 +180,9 @@ func (d *daemon) call(t testing.TB, method, path, token string, body io.Reader) 
 	}
 	if token != "" {
 		req.Header.Set("Authorization", "Bearer "+token)
+	}
+	if ct != "" {
+		req.Header.Set("Content-Type", ct)
 	}
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {

@@ -32,10 +32,10 @@ type serveOptions struct {
 	maxSandboxes, maxPerRequest int
 	maxParallel, maxPending     int
 	pool                        int
-	maxBody                     int64
+	maxBody, maxBodyInFlight    int64
 	auditLog, importDir         string
 	unresponsive                string
-	grace                       time.Duration
+	grace, bodyTimeout          time.Duration
 }
 
 func newServeCmd(g *globals) *cobra.Command {
@@ -69,6 +69,10 @@ missing). A non-loopback --listen needs TLS (--tls-cert/--tls-key) unless
 	f.IntVar(&o.maxPending, "max-pending-restores", 1024, fmt.Sprintf("children admitted but not yet ready, all requests together, 1 to %d (0 = no limit)", maxServeSandboxes))
 	f.IntVar(&o.pool, "pool", min(2*runtime.NumCPU(), maxServePool), fmt.Sprintf("VMMs kept parked (~16 MiB each) for each of the 4 snapshots forked most recently, 0 (none) to %d", maxServePool))
 	f.Int64Var(&o.maxBody, "max-body-bytes", 1<<20, "largest JSON request body, 1024 (1 KiB) to 67108864 (64 MiB)")
+	f.Int64Var(&o.maxBodyInFlight, "max-body-bytes-in-flight", server.DefaultMaxBodyBytesInFlight,
+		"JSON request body bytes held at once, all requests together, --max-body-bytes to 4294967296 (4 GiB); beyond it requests get 429")
+	o.bodyTimeout = 30 * time.Second
+	timeoutFlag(f, &o.bodyTimeout, "body-timeout", "time a JSON request body may take to arrive, 1s to 1h (any body is also cut after 10s without a byte)")
 	f.StringVar(&o.auditLog, "audit-log", "", `audit log, one JSON line per request (default <data-dir>/audit.log; "-" for stderr)`)
 	f.BoolVar(&o.allowImageScripts, "allow-image-scripts", false, "let API callers install oci.extra packages, which runs the image's own apt scripts as root on this host (only if every token holder is trusted with root)")
 	f.StringVar(&o.importDir, "import-dir", "", "the only directory whose tarballs and OCI layouts API callers may import (default <data-dir>/imports; other refs must be registry references)")
@@ -85,6 +89,7 @@ const (
 	maxServePool       = 64
 	minServeBody       = 1 << 10
 	maxServeBody       = 64 << 20
+	maxServeInFlight   = 4 << 30
 	maxServeGrace      = time.Hour
 )
 
@@ -108,6 +113,7 @@ func (o serveOptions) validate() error {
 		{"--max-pending-restores", int64(o.maxPending), 1, maxServeSandboxes, "no limit"},
 		{"--pool", int64(o.pool), 0, maxServePool, ""},
 		{"--max-body-bytes", o.maxBody, minServeBody, maxServeBody, ""},
+		{"--max-body-bytes-in-flight", o.maxBodyInFlight, max(o.maxBody, minServeBody), maxServeInFlight, ""},
 	} {
 		if c.v == 0 && c.zero != "" || c.v >= c.lo && c.v <= c.hi {
 			continue
@@ -122,6 +128,9 @@ func (o serveOptions) validate() error {
 	}
 	if o.grace < 0 || o.grace > maxServeGrace {
 		return errdefs.InvalidArgument("--shutdown-grace %v: want 0 to %v", o.grace, maxServeGrace)
+	}
+	if o.bodyTimeout < time.Second || o.bodyTimeout > time.Hour {
+		return errdefs.InvalidArgument("--body-timeout %v: want 1s to 1h", o.bodyTimeout)
 	}
 	if o.importDir != "" {
 		if st, err := os.Stat(o.importDir); err != nil || !st.IsDir() {
@@ -221,16 +230,18 @@ func serve(ctx context.Context, g *globals, o serveOptions) error {
 	defer closeAudit()
 	exp := sandbox.NewExpirer(e)
 	srv, err := server.New(server.Config{
-		Engine:            e,
-		Admitter:          sandbox.NewAdmitter(e, sandbox.Admission{MaxSandboxes: o.maxSandboxes, MaxPending: o.maxPending}),
-		Expirer:           exp,
-		Token:             token,
-		MaxBodyBytes:      o.maxBody,
-		ImportDir:         importDir,
-		AllowImageScripts: o.allowImageScripts,
-		Audit:             audit,
-		Logger:            log,
-		Version:           Version,
+		Engine:               e,
+		Admitter:             sandbox.NewAdmitter(e, sandbox.Admission{MaxSandboxes: o.maxSandboxes, MaxPending: o.maxPending}),
+		Expirer:              exp,
+		Token:                token,
+		MaxBodyBytes:         o.maxBody,
+		MaxBodyBytesInFlight: o.maxBodyInFlight,
+		BodyTimeout:          o.bodyTimeout,
+		ImportDir:            importDir,
+		AllowImageScripts:    o.allowImageScripts,
+		Audit:                audit,
+		Logger:               log,
+		Version:              Version,
 	})
 	if err != nil {
 		return err

@@ -16,55 +16,6 @@ import (
 	"github.com/forkd/forkd/internal/errdefs"
 )
 
-// decodeBody decodes r's JSON body into v strictly (see decodeStrict),
-// reading at most limit bytes; a longer body is refused with 413.
-func decodeBody(w http.ResponseWriter, r *http.Request, limit int64, v any) error {
-	return decodeStrict(http.MaxBytesReader(w, r.Body, limit), v)
-}
-
-// decodeHead decodes the JSON object at the start of body strictly (at
-// most limit bytes of it) into v, and returns the rest of the body, after
-// one optional newline, unread.
-func decodeHead(body io.Reader, limit int64, v any) (io.Reader, error) {
-	lr := &io.LimitedReader{R: body, N: limit + 1}
-	dec := json.NewDecoder(lr)
-	var raw json.RawMessage
-	if err := dec.Decode(&raw); err != nil {
-		if lr.N <= 0 {
-			return nil, errdefs.InvalidArgument("request head is over the limit of %d bytes", limit)
-		}
-		return nil, bodyError(err)
-	}
-	if err := decodeStrict(bytes.NewReader(raw), v); err != nil {
-		return nil, err
-	}
-	return &skipNewline{r: io.MultiReader(dec.Buffered(), body)}, nil
-}
-
-// skipNewline drops a newline that starts r, without reading before its
-// first Read (stdin may come much later than the head).
-type skipNewline struct {
-	r       io.Reader
-	started bool
-}
-
-func (s *skipNewline) Read(p []byte) (int, error) {
-	for {
-		n, err := s.r.Read(p)
-		if !s.started && n > 0 {
-			s.started = true
-			if p[0] == '\n' {
-				copy(p, p[1:n])
-				n--
-				if n == 0 && err == nil {
-					continue
-				}
-			}
-		}
-		return n, err
-	}
-}
-
 // jsonType is the media type of JSON request bodies.
 const jsonType = "application/json"
 
@@ -122,6 +73,11 @@ func decodeStrict(r io.Reader, v any) error {
 	if err != nil {
 		return bodyError(err)
 	}
+	return decodeStrictBytes(b, v)
+}
+
+// decodeStrictBytes is decodeStrict of b. It keeps no reference to b.
+func decodeStrictBytes(b []byte, v any) error {
 	t := bytes.TrimLeft(b, " \t\r\n")
 	if len(t) == 0 {
 		return bodyError(io.EOF)

@@ -27,18 +27,22 @@ var statuses = map[error]int{
 
 // httpStatus maps an error to its HTTP status: 413 for a body over its
 // limit and 415 for one of a media type the route does not take (both of
-// class InvalidArgument), else by its class, else 504 for a deadline and
-// 500 for the rest.
+// class InvalidArgument), 408 for a body that came too slowly (class
+// DeadlineExceeded), else by its class, else 504 for a deadline and 500
+// for the rest.
 func httpStatus(err error) int {
 	var (
 		tooBig  *http.MaxBytesError
 		badType *unsupportedType
+		slow    *slowBody
 	)
 	switch {
 	case errors.As(err, &tooBig):
 		return http.StatusRequestEntityTooLarge
 	case errors.As(err, &badType):
 		return http.StatusUnsupportedMediaType
+	case errors.As(err, &slow):
+		return http.StatusRequestTimeout
 	}
 	if st, ok := statuses[errdefs.Class(err)]; ok {
 		return st

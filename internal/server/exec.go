@@ -155,14 +155,14 @@ func (s *Server) execStream(w http.ResponseWriter, r *http.Request) error {
 		return err
 	}
 	if mt == apiv1.ExecStdinStream {
-		if stdin, err = decodeHead(r.Body, s.cfg.MaxBodyBytes, &req); err != nil {
+		if stdin, err = s.decodeHead(w, r, &req); err != nil {
 			return err
 		}
 		if !req.StdinStream || req.Stdin != nil {
 			return errdefs.InvalidArgument("a %s body streams stdin: set stdin_stream and not stdin", apiv1.ExecStdinStream)
 		}
 	} else {
-		if err := decodeBody(w, r, s.cfg.MaxBodyBytes, &req); err != nil {
+		if err := s.decodeBody(w, r, &req); err != nil {
 			return err
 		}
 		if req.StdinStream {
@@ -216,7 +216,7 @@ func (s *Server) evalStream(w http.ResponseWriter, r *http.Request) error {
 		return err
 	}
 	var req apiv1.EvalRequest
-	if err := decodeBody(w, r, s.cfg.MaxBodyBytes, &req); err != nil {
+	if err := s.decodeBody(w, r, &req); err != nil {
 		return err
 	}
 	ereq, err := request.Eval(&req)

@@ -75,7 +75,7 @@ func (s *Server) readFile(w http.ResponseWriter, r *http.Request) error {
 	})
 }
 
-func (s *Server) writeFile(r *http.Request) (any, error) {
+func (s *Server) writeFile(w http.ResponseWriter, r *http.Request) (any, error) {
 	p, err := guestPath(r, "path")
 	if err != nil {
 		return nil, err
@@ -90,7 +90,10 @@ func (s *Server) writeFile(r *http.Request) (any, error) {
 	}
 	var out apiv1.WriteFileResult
 	err = s.withAgent(r, func(c *agent.Client) error {
-		body := http.MaxBytesReader(nil, r.Body, s.cfg.MaxFileBytes)
+		// An upload may take long, but must keep moving.
+		dl := s.bodyDeadline(w, r, 0)
+		defer dl.done()
+		body := http.MaxBytesReader(nil, io.NopCloser(dl), s.cfg.MaxFileBytes)
 		n, err := c.WriteFile(r.Context(), p, body, mode)
 		var mbe *http.MaxBytesError
 		if errors.As(err, &mbe) {

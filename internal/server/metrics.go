@@ -68,6 +68,9 @@ func newMetrics(s *Server, reg *prometheus.Registry) *metrics {
 		l, _ := s.e.Snapshots().List()
 		return float64(len(l))
 	})
+	bodies := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name: "forkd_http_body_bytes_in_flight", Help: "Bytes of JSON request bodies held (at most --max-body-bytes-in-flight).",
+	}, func() float64 { return float64(s.bodies.held()) })
 	unresponsive := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 		Name: "forkd_sandboxes_unresponsive", Help: "Sandboxes whose agent stopped answering.",
 	}, func() float64 {
@@ -80,7 +83,7 @@ func newMetrics(s *Server, reg *prometheus.Registry) *metrics {
 		}
 		return float64(n)
 	})
-	reg.MustRegister(m.requests, m.latency, m.inFlight, m.created, m.failed, m.rejected, m.expired, m.events, m.readyTime, live, snaps, unresponsive,
+	reg.MustRegister(m.requests, m.latency, m.inFlight, m.created, m.failed, m.rejected, m.expired, m.events, m.readyTime, live, snaps, unresponsive, bodies,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	m.handler = promhttp.HandlerFor(reg, promhttp.HandlerOpts{})
 	return m

@@ -59,7 +59,7 @@ func body[Req any](fn func(*Server, *http.Request, *Req) (any, error)) handler {
 				return nil, err
 			}
 			var req Req
-			if err := decodeBody(w, r, s.cfg.MaxBodyBytes, &req); err != nil {
+			if err := s.decodeBody(w, r, &req); err != nil {
 				return nil, err
 			}
 			return fn(s, r, &req)
@@ -110,7 +110,7 @@ var routes = []route{
 	{Method: "POST", Path: "/v1/sandboxes/{id}/eval", Summary: "Run Python in the warm interpreter", Response: apiv1.EvalResult{}, h: body((*Server).eval)},
 	{Method: "POST", Path: "/v1/sandboxes/{id}/eval/stream", Summary: "Run Python; output streamed as NDJSON events", Produces: ndjson, Response: apiv1.StreamEvent{}, h: raw((*Server).evalStream, new(apiv1.EvalRequest))},
 	{Method: "GET", Path: "/v1/sandboxes/{id}/files", Summary: "Read a file (raw bytes)", Query: []param{pathParam}, Produces: octets, h: raw((*Server).readFile, nil)},
-	{Method: "PUT", Path: "/v1/sandboxes/{id}/files", Summary: "Write a file from the raw body, atomically", Consumes: octets, Query: []param{pathParam, {Name: "mode", Type: "string", Doc: "octal permission bits (default: keep, or 0644)"}}, Response: apiv1.WriteFileResult{}, h: plain((*Server).writeFile)},
+	{Method: "PUT", Path: "/v1/sandboxes/{id}/files", Summary: "Write a file from the raw body, atomically", Consumes: octets, Query: []param{pathParam, {Name: "mode", Type: "string", Doc: "octal permission bits (default: keep, or 0644)"}}, Response: apiv1.WriteFileResult{}, h: handler{fn: (*Server).writeFile}},
 	{Method: "DELETE", Path: "/v1/sandboxes/{id}/files", Summary: "Remove a path", Query: []param{pathParam, {Name: "recursive", Type: "boolean", Doc: "remove a non-empty directory"}}, Status: http.StatusNoContent, h: plain((*Server).removeFile)},
 	{Method: "GET", Path: "/v1/sandboxes/{id}/files/list", Summary: "List a directory", Query: listParams, Response: apiv1.FileList{}, h: plain((*Server).listFiles)},
 	{Method: "GET", Path: "/v1/sandboxes/{id}/files/stat", Summary: "Describe a path", Query: []param{pathParam}, Response: apiv1.FileInfo{}, h: plain((*Server).statFile)},
@@ -149,10 +149,12 @@ func (s *Server) adapt(rt route) http.Handler {
 		ri.caller = caller
 		if err != nil && !rt.Public {
 			w.Header().Set("WWW-Authenticate", `Bearer realm="forkd"`)
+			s.boundDiscard(w, err)
 			writeError(w, err)
 			return
 		}
 		if err := checkQuery(r, rt.Query); err != nil {
+			s.boundDiscard(w, err)
 			writeError(w, err)
 			return
 		}
@@ -165,6 +167,7 @@ func (s *Server) adapt(rt route) http.Handler {
 			s.log.Warn("request failed after its response started", "route", name, "err", err)
 			panic(http.ErrAbortHandler)
 		case err != nil:
+			s.boundDiscard(w, err)
 			writeError(w, err)
 		case v != nil || status == http.StatusNoContent:
 			writeJSON(w, status, v)

@@ -42,6 +42,18 @@ type Config struct {
 	Token []byte
 	// MaxBodyBytes bounds JSON request bodies (default 1 MiB).
 	MaxBodyBytes int64
+	// MaxBodyBytesInFlight bounds the bytes of JSON request bodies held
+	// at once, all requests together (default 64 MiB, at least
+	// MaxBodyBytes). A request that finds no room within BodyWait
+	// (default 1 s) is refused with 429 and Retry-After.
+	MaxBodyBytesInFlight int64
+	BodyWait             time.Duration
+	// BodyTimeout bounds how long a JSON body (or a streamed exec's JSON
+	// head) may take to arrive (default 30 s); BodyStallTimeout how long
+	// any body, file uploads included, may go without a byte (default
+	// 10 s). Either cuts the request with 408. A streamed exec's stdin
+	// has no such bound.
+	BodyTimeout, BodyStallTimeout time.Duration
 	// MaxFileBytes bounds a file upload (default 1 GiB).
 	MaxFileBytes int64
 	// MaxExecOutput bounds each stream of a buffered exec's output
@@ -70,6 +82,9 @@ type Config struct {
 	Version string
 }
 
+// DefaultMaxBodyBytesInFlight is Config.MaxBodyBytesInFlight's default.
+const DefaultMaxBodyBytesInFlight = 64 << 20
+
 // Server serves the API. Create it with New.
 type Server struct {
 	cfg      Config
@@ -83,6 +98,7 @@ type Server struct {
 	registry *prometheus.Registry
 	audit    *auditLog
 	openapi  []byte // the OpenAPI document, built once
+	bodies   *byteBudget
 
 	base   context.Context // the daemon's lifetime; cancelled by Close
 	cancel context.CancelFunc
@@ -103,6 +119,21 @@ func New(cfg Config) (*Server, error) {
 	}
 	if cfg.MaxBodyBytes <= 0 {
 		cfg.MaxBodyBytes = 1 << 20
+	}
+	if cfg.MaxBodyBytesInFlight <= 0 {
+		cfg.MaxBodyBytesInFlight = DefaultMaxBodyBytesInFlight
+	}
+	if cfg.MaxBodyBytesInFlight < cfg.MaxBodyBytes {
+		return nil, errdefs.InvalidArgument("server: %d bytes of bodies in flight cannot hold one body of %d bytes", cfg.MaxBodyBytesInFlight, cfg.MaxBodyBytes)
+	}
+	if cfg.BodyWait <= 0 {
+		cfg.BodyWait = time.Second
+	}
+	if cfg.BodyTimeout <= 0 {
+		cfg.BodyTimeout = 30 * time.Second
+	}
+	if cfg.BodyStallTimeout <= 0 {
+		cfg.BodyStallTimeout = 10 * time.Second
 	}
 	if cfg.MaxFileBytes <= 0 {
 		cfg.MaxFileBytes = 1 << 30
@@ -136,7 +167,8 @@ func New(cfg Config) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
-	s := &Server{cfg: cfg, e: cfg.Engine, log: cfg.Logger, ops: ops, audit: newAuditLog(cfg.Audit)}
+	s := &Server{cfg: cfg, e: cfg.Engine, log: cfg.Logger, ops: ops, audit: newAuditLog(cfg.Audit),
+		bodies: newByteBudget(cfg.MaxBodyBytesInFlight)}
 	if cfg.Token != nil {
 		sum := sha256.Sum256(cfg.Token)
 		s.tokenSum = sum[:]

@@ -458,7 +458,7 @@ func TestMetrics(t *testing.T) {
 	}
 	for _, want := range []string{
 		`forkd_http_requests_total{code="200",route="GET /v1/sandboxes"} 1`,
-		"forkd_sandboxes_live 0", "forkd_snapshots 0", "go_goroutines",
+		"forkd_sandboxes_live 0", "forkd_snapshots 0", "forkd_http_body_bytes_in_flight 0", "go_goroutines",
 	} {
 		if !bytes.Contains(b, []byte(want)) {
 			t.Errorf("metrics lack %q", want)

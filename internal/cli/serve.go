@@ -31,7 +31,7 @@ type serveOptions struct {
 	allowImageScripts           bool
 	maxSandboxes, maxPerRequest int
 	maxParallel, maxPending     int
-	pool                        int
+	pool, maxPorts              int
 	maxBody, maxBodyInFlight    int64
 	auditLog, importDir         string
 	unresponsive                string
@@ -68,6 +68,7 @@ missing). A non-loopback --listen needs TLS (--tls-cert/--tls-key) unless
 	f.IntVar(&o.maxParallel, "max-parallel-restores", 0, fmt.Sprintf("restores running at once, 1 to %d (0 = 2 × CPUs)", maxServeParallel))
 	f.IntVar(&o.maxPending, "max-pending-restores", 1024, fmt.Sprintf("children admitted but not yet ready, all requests together, 1 to %d (0 = no limit)", maxServeSandboxes))
 	f.IntVar(&o.pool, "pool", min(2*runtime.NumCPU(), maxServePool), fmt.Sprintf("VMMs kept parked (~16 MiB each) for each of the 4 snapshots forked most recently, 0 (none) to %d", maxServePool))
+	f.IntVar(&o.maxPorts, "max-ports-per-sandbox", sandbox.DefaultMaxPortsPerSandbox, fmt.Sprintf("host ports one sandbox may publish, 1 to %d", maxServePorts))
 	f.Int64Var(&o.maxBody, "max-body-bytes", 1<<20, "largest JSON request body, 1024 (1 KiB) to 67108864 (64 MiB)")
 	f.Int64Var(&o.maxBodyInFlight, "max-body-bytes-in-flight", server.DefaultMaxBodyBytesInFlight,
 		"JSON request body bytes held at once, all requests together, --max-body-bytes to 4294967296 (4 GiB); beyond it requests get 429")
@@ -87,6 +88,7 @@ const (
 	maxServePerRequest = 1000 // the engine's largest fork
 	maxServeParallel   = 1024
 	maxServePool       = 64
+	maxServePorts      = 1000
 	minServeBody       = 1 << 10
 	maxServeBody       = 64 << 20
 	maxServeInFlight   = 4 << 30
@@ -112,6 +114,7 @@ func (o serveOptions) validate() error {
 		{"--max-parallel-restores", int64(o.maxParallel), 1, maxServeParallel, "2 × CPUs"},
 		{"--max-pending-restores", int64(o.maxPending), 1, maxServeSandboxes, "no limit"},
 		{"--pool", int64(o.pool), 0, maxServePool, ""},
+		{"--max-ports-per-sandbox", int64(o.maxPorts), 1, maxServePorts, ""},
 		{"--max-body-bytes", o.maxBody, minServeBody, maxServeBody, ""},
 		{"--max-body-bytes-in-flight", o.maxBodyInFlight, max(o.maxBody, minServeBody), maxServeInFlight, ""},
 	} {
@@ -204,6 +207,7 @@ func serve(ctx context.Context, g *globals, o serveOptions) error {
 		c.MaxChildren = o.maxPerRequest
 		c.MaxParallel = o.maxParallel
 		c.Pool = o.pool
+		c.MaxPortsPerSandbox = o.maxPorts
 		c.Unresponsive = o.unresponsive
 		c.OnEvent = events.send
 		c.Progress = io.Discard

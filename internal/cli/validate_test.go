@@ -131,6 +131,8 @@ func TestServeFlagsRefused(t *testing.T) {
 		{[]string{"serve", "--max-pending-restores", "-5"}, "--max-pending-restores"},
 		{[]string{"serve", "--max-body-bytes", "0"}, "--max-body-bytes 0: want 1024 to 67108864"},
 		{[]string{"serve", "--max-body-bytes", "1099511627776"}, "--max-body-bytes"},
+		{[]string{"serve", "--max-ports-per-sandbox", "0"}, "--max-ports-per-sandbox 0: want 1 to 1000"},
+		{[]string{"serve", "--max-ports-per-sandbox", "1001"}, "--max-ports-per-sandbox"},
 		{[]string{"serve", "--max-body-bytes-in-flight", "0"}, "--max-body-bytes-in-flight 0: want 1048576 to 4294967296"},
 		{[]string{"serve", "--max-body-bytes", "4096", "--max-body-bytes-in-flight", "2048"}, "--max-body-bytes-in-flight 2048: want 4096 to"},
 		{[]string{"serve", "--body-timeout", "0"}, "--body-timeout 0s: want 1s to 1h"},

@@ -26,6 +26,10 @@ type pub struct {
 	slot  int // -1 when child is not a slot's address
 }
 
+// ErrPortLimit is wrapped by PublishAtMost's refusal of a port over its
+// slot's limit.
+var ErrPortLimit = errors.New("the slot's published ports are at their limit")
+
 // Publish makes the guest's guestPort (proto "tcp" or "udp") reachable on
 // a host port from Options.Ports, at 127.0.0.1 and at every address of the
 // host, and returns that port. Publishing a guest port twice returns the
@@ -35,6 +39,16 @@ type pub struct {
 // fails with a NotFound-class error when the slot has no network and a
 // ResourceExhausted-class one when the range is full.
 func (m *Manager) Publish(ctx context.Context, slot, guestPort int, proto string) (int, error) {
+	return m.PublishAtMost(ctx, slot, guestPort, proto, 0)
+}
+
+// PublishAtMost is Publish that lets slot hold at most limit published
+// ports, all protocols together (0: no limit): a new one beyond it is
+// refused with a ResourceExhausted-class error wrapping ErrPortLimit,
+// while a port already published is still answered. The slot's ports are
+// counted and the new one added under the locks that serialise publishing,
+// so concurrent calls never pass the limit together.
+func (m *Manager) PublishAtMost(ctx context.Context, slot, guestPort int, proto string, limit int) (int, error) {
 	if err := checkPub(slot, guestPort, proto, m); err != nil {
 		return 0, err
 	}
@@ -50,7 +64,11 @@ func (m *Manager) Publish(ctx context.Context, slot, guestPort int, proto string
 		return 0, err
 	}
 	used := map[int]bool{}
+	mine := 0
 	for _, p := range pubs {
+		if p.child == n.ChildAddr {
+			mine++
+		}
 		if p.Proto != proto {
 			continue
 		}
@@ -58,6 +76,9 @@ func (m *Manager) Publish(ctx context.Context, slot, guestPort int, proto string
 			return p.HostPort, nil
 		}
 		used[p.HostPort] = true
+	}
+	if limit > 0 && mine >= limit {
+		return 0, errdefs.ResourceExhausted("slot %d publishes %d ports: %w", slot, mine, ErrPortLimit)
 	}
 	for hp := int(m.opts.Ports.First); hp <= int(m.opts.Ports.Last); hp++ {
 		if err := ctx.Err(); err != nil {

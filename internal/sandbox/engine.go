@@ -64,6 +64,10 @@ type Config struct {
 	MaxParallel int
 	// MaxChildren bounds one fork request (default 1000).
 	MaxChildren int
+	// MaxPortsPerSandbox bounds the host ports one sandbox may publish
+	// (default DefaultMaxPortsPerSandbox), so that no sandbox takes the
+	// whole port range from the others.
+	MaxPortsPerSandbox int
 	// Daemon keeps the state database open and agent connections cached.
 	Daemon bool
 	// Unresponsive is what happens to a sandbox whose agent stops

@@ -8,6 +8,7 @@ import (
 	"math"
 	"net/netip"
 	"os"
+	"slices"
 	"strings"
 
 	"github.com/forkd/forkd/internal/cgroup"
@@ -151,10 +152,32 @@ func (e *Engine) release(ctx context.Context, sb *state.Sandbox) error {
 	return nil
 }
 
+// DefaultMaxPortsPerSandbox is Config.MaxPortsPerSandbox's default.
+const DefaultMaxPortsPerSandbox = 32
+
+// MaxPortsPerSandbox is the most host ports one sandbox may publish.
+func (e *Engine) MaxPortsPerSandbox() int {
+	if e.cfg.MaxPortsPerSandbox > 0 {
+		return e.cfg.MaxPortsPerSandbox
+	}
+	return DefaultMaxPortsPerSandbox
+}
+
+// publishTCP publishes guest TCP port of sb, within the engine's limit of
+// ports per sandbox.
+func (e *Engine) publishTCP(ctx context.Context, sb *state.Sandbox, port int) (int, error) {
+	limit := e.MaxPortsPerSandbox()
+	hp, err := e.cfg.Net.PublishAtMost(ctx, sb.Net.Slot, port, "tcp", limit)
+	if errors.Is(err, netns.ErrPortLimit) {
+		return 0, errdefs.ResourceExhausted("sandbox %s already publishes %d ports, the limit per sandbox (forkd serve --max-ports-per-sandbox)", sb.ID, limit)
+	}
+	return hp, err
+}
+
 // publish publishes guest TCP ports of a running sandbox and records them.
 func (e *Engine) publish(ctx context.Context, sb *state.Sandbox, ports []int) error {
 	for _, p := range ports {
-		hp, err := e.cfg.Net.Publish(ctx, sb.Net.Slot, p, "tcp")
+		hp, err := e.publishTCP(ctx, sb, p)
 		if err != nil {
 			return fmt.Errorf("publish port %d: %w", p, err)
 		}
@@ -165,7 +188,9 @@ func (e *Engine) publish(ctx context.Context, sb *state.Sandbox, ports []int) er
 
 // Publish makes guest TCP port of sandbox id reachable on a host port (on
 // 127.0.0.1 and the host's addresses) and returns it. Publishing a port
-// twice returns the same host port.
+// twice returns the same host port. A sandbox publishes at most
+// Config.MaxPortsPerSandbox ports (ResourceExhausted beyond), counted on
+// the host under the network's lock, so concurrent calls cannot pass it.
 func (e *Engine) Publish(ctx context.Context, id string, port int) (state.Port, error) {
 	sb, err := e.networked(ctx, id)
 	if err != nil {
@@ -179,7 +204,7 @@ func (e *Engine) Publish(ctx context.Context, id string, port int) (state.Port, 
 			return p, nil
 		}
 	}
-	hp, err := e.cfg.Net.Publish(ctx, sb.Net.Slot, port, "tcp")
+	hp, err := e.publishTCP(ctx, sb, port)
 	if err != nil {
 		return state.Port{}, err
 	}
@@ -188,7 +213,10 @@ func (e *Engine) Publish(ctx context.Context, id string, port int) (state.Port, 
 		if r.Net == nil {
 			return errdefs.FailedPrecondition("sandbox %s lost its network", id)
 		}
-		r.Net.Ports = append(r.Net.Ports, pub)
+		// A concurrent call for the same port recorded it already.
+		if !slices.Contains(r.Net.Ports, pub) {
+			r.Net.Ports = append(r.Net.Ports, pub)
+		}
 		return nil
 	})
 	return pub, err

@@ -20,6 +20,10 @@ func (s *Server) createSandboxes(r *http.Request, req *apiv1.CreateSandboxesRequ
 	if err != nil {
 		return nil, err
 	}
+	if most := s.e.MaxPortsPerSandbox(); spec.Net != nil && len(spec.Net.Publish) > most {
+		return nil, errdefs.InvalidArgument("network.publish has %d ports; a sandbox may publish at most %d (forkd serve --max-ports-per-sandbox)",
+			len(spec.Net.Publish), most)
+	}
 	res, err := s.cfg.Admitter.Fork(r.Context(), spec)
 	if res == nil {
 		switch {

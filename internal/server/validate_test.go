@@ -132,3 +132,18 @@ func TestForkCountZeroMeansOne(t *testing.T) {
 		t.Errorf("the OpenAPI document does not say what n 0 means: %d", code)
 	}
 }
+
+// TestCreatePublishWithinCap: a create that asks each sandbox to publish
+// more ports than the engine's cap per sandbox is refused before any
+// child starts.
+func TestCreatePublishWithinCap(t *testing.T) {
+	d := startDaemon(t, fakeNoVMs{}, sandbox.Admission{}, func(c *sandbox.Config, _ *Config) { c.MaxPortsPerSandbox = 2 })
+	code, b := d.call(t, "POST", "/v1/sandboxes", testToken, strings.NewReader(`{"snapshot_tag":"base","network":{"publish":[80,81,82]}}`))
+	if e := apiError(t, b); code != 400 || !strings.Contains(e.Message, "at most 2") {
+		t.Errorf("3 ports with a cap of 2: %d %s", code, b)
+	}
+	code, b = d.call(t, "POST", "/v1/sandboxes", testToken, strings.NewReader(`{"snapshot_tag":"base","network":{"publish":[80,81]}}`))
+	if code != 404 {
+		t.Errorf("2 ports with a cap of 2: %d %s, want 404 (no snapshot)", code, b)
+	}
+}

@@ -123,8 +123,12 @@ type bodyDeadline struct {
 }
 
 // bodyDeadline wraps r's body; total 0 sets no bound on the whole body.
+// A Local server sets none: its one caller is its own process.
 func (s *Server) bodyDeadline(w http.ResponseWriter, r *http.Request, total time.Duration) *bodyDeadline {
 	d := &bodyDeadline{r: r.Body, rc: http.NewResponseController(w), stall: s.cfg.BodyStallTimeout, total: total}
+	if s.cfg.Local {
+		d.stall, total = 0, 0
+	}
 	if total > 0 {
 		d.end = time.Now().Add(total)
 	}
@@ -132,6 +136,9 @@ func (s *Server) bodyDeadline(w http.ResponseWriter, r *http.Request, total time
 }
 
 func (d *bodyDeadline) Read(p []byte) (int, error) {
+	if d.stall == 0 {
+		return d.r.Read(p)
+	}
 	now := time.Now()
 	dl := now.Add(d.stall)
 	if !d.end.IsZero() && d.end.Before(dl) {
@@ -155,7 +162,7 @@ func (d *bodyDeadline) Read(p []byte) (int, error) {
 // waits for nothing more of the body and closes the connection after its
 // answer.
 func (d *bodyDeadline) done() {
-	if !d.timedOut {
+	if d.stall != 0 && !d.timedOut {
 		_ = d.rc.SetReadDeadline(time.Time{})
 	}
 }
@@ -165,7 +172,7 @@ func (d *bodyDeadline) done() {
 // before it closes the connection: BodyStallTimeout, unless a body
 // deadline already passed.
 func (s *Server) boundDiscard(w http.ResponseWriter, err error) {
-	if _, slow := errors.AsType[*slowBody](err); !slow {
+	if _, slow := errors.AsType[*slowBody](err); !slow && !s.cfg.Local {
 		_ = http.NewResponseController(w).SetReadDeadline(time.Now().Add(s.cfg.BodyStallTimeout))
 	}
 }
@@ -205,7 +212,10 @@ func (s *Server) readBody(w http.ResponseWriter, r *http.Request, limit int64) (
 	for {
 		if len(b) == cap(b) {
 			grow := min(max(2*int64(cap(b)), minBodyBuf), most)
-			wait := min(s.cfg.BodyWait, time.Until(dl.end))
+			wait := s.cfg.BodyWait
+			if !dl.end.IsZero() {
+				wait = min(wait, time.Until(dl.end))
+			}
 			if !s.bodies.acquire(r.Context(), grow-held, wait) {
 				release()
 				return nil, nil, s.bodyBusy(w)

@@ -183,7 +183,7 @@ func chunks(s string, n int) [][]byte {
 // moving may take longer than either, and a streamed exec's stdin is not
 // timed at all once its head has arrived.
 func TestBodyDeadlines(t *testing.T) {
-	const timeout, stall = 1500 * time.Millisecond, 500 * time.Millisecond
+	const timeout, stall = time.Second, 300 * time.Millisecond
 	d := startDaemon(t, fakeNoVMs{}, sandbox.Admission{}, func(_ *sandbox.Config, c *Config) {
 		c.BodyTimeout, c.BodyStallTimeout = timeout, stall
 	})
@@ -192,15 +192,15 @@ func TestBodyDeadlines(t *testing.T) {
 	// Trickling: a chunk every 200 ms, 3 s in all.
 	start := time.Now()
 	code, b := d.callCT(t, "POST", "/v1/sandboxes", "application/json", &slowReader{chunks: chunks(body, len(body)/15+1), pause: 200 * time.Millisecond})
-	if e := apiError(t, b); code != http.StatusRequestTimeout || e.Code != "deadline_exceeded" || !strings.Contains(e.Message, "did not arrive within 1.5s") {
+	if e := apiError(t, b); code != http.StatusRequestTimeout || e.Code != "deadline_exceeded" || !strings.Contains(e.Message, "did not arrive within "+timeout.String()) {
 		t.Errorf("trickled body: %d %s, want 408", code, b)
 	}
 	if el := time.Since(start); el > timeout+time.Second {
 		t.Errorf("trickled body cut after %v, want about %v", el, timeout)
 	}
-	// Stalled: half the body, then nothing for 1 s.
+	// Stalled: half the body, then nothing for twice the stall bound.
 	code, b = d.callCT(t, "POST", "/v1/sandboxes", "application/json", &slowReader{chunks: chunks(body, len(body)/2+1), pause: 2 * stall})
-	if e := apiError(t, b); code != http.StatusRequestTimeout || !strings.Contains(e.Message, "stalled: no data for 500ms") {
+	if e := apiError(t, b); code != http.StatusRequestTimeout || !strings.Contains(e.Message, "stalled: no data for "+stall.String()) {
 		t.Errorf("stalled body: %d %s, want 408", code, b)
 	}
 	// The same body in time goes through (404: no such snapshot).
@@ -223,20 +223,41 @@ func TestBodyDeadlines(t *testing.T) {
 		fmt.Fprint(w, n)
 	}))
 	defer upload.Close()
+	// A Local server (the CLI's own, no daemon) times nothing: its one
+	// caller is its own process (forkd cp - from a slow pipe).
+	local := startDaemon(t, fakeNoVMs{}, sandbox.Admission{}, func(_ *sandbox.Config, c *Config) {
+		c.BodyTimeout, c.BodyStallTimeout, c.Local = timeout, stall, true
+	})
+	localUpload := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		dl := local.srv.bodyDeadline(w, r, timeout)
+		defer dl.done()
+		n, err := io.Copy(io.Discard, dl)
+		if err != nil {
+			writeError(w, err)
+			return
+		}
+		fmt.Fprint(w, n)
+	}))
+	defer localUpload.Close()
 	for _, c := range []struct {
+		url   string
+		n     int // chunks of 100 bytes
 		pause time.Duration
 		want  int
-	}{{stall / 2, http.StatusOK}, {2 * stall, http.StatusRequestTimeout}} {
-		data := strings.Repeat("x", 1000)
-		req, _ := http.NewRequest("PUT", upload.URL, &slowReader{chunks: chunks(data, 100), pause: c.pause})
-		req.ContentLength = int64(len(data))
+	}{
+		{upload.URL, 10, stall / 2, http.StatusOK}, // 1.35 s in all
+		{upload.URL, 2, 2 * stall, http.StatusRequestTimeout},
+		{localUpload.URL, 3, 2 * stall, http.StatusOK}, // stalls, and 1.2 s in all
+	} {
+		req, _ := http.NewRequest("PUT", c.url, &slowReader{chunks: chunks(strings.Repeat("x", 100*c.n), 100), pause: c.pause})
+		req.ContentLength = int64(100 * c.n)
 		resp, err := http.DefaultClient.Do(req)
 		if err != nil {
 			t.Fatal(err)
 		}
 		got, _ := io.ReadAll(resp.Body)
 		resp.Body.Close()
-		if resp.StatusCode != c.want || c.want == http.StatusOK && string(got) != "1000" {
+		if resp.StatusCode != c.want || c.want == http.StatusOK && string(got) != fmt.Sprint(100*c.n) {
 			t.Errorf("upload pausing %v per chunk: %d %s, want %d", c.pause, resp.StatusCode, got, c.want)
 		}
 	}

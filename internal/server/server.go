@@ -52,7 +52,7 @@ type Config struct {
 	// head) may take to arrive (default 30 s); BodyStallTimeout how long
 	// any body, file uploads included, may go without a byte (default
 	// 10 s). Either cuts the request with 408. A streamed exec's stdin
-	// has no such bound.
+	// has no such bound, nor has any body of a Local server.
 	BodyTimeout, BodyStallTimeout time.Duration
 	// MaxFileBytes bounds a file upload (default 1 GiB).
 	MaxFileBytes int64

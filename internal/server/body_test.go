@@ -262,6 +262,32 @@ func TestBodyDeadlines(t *testing.T) {
 		}
 	}
 
+	// Once a JSON body is in, its request may run longer than both bounds
+	// (a long exec) without its context being cancelled.
+	long := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		var req struct{ A int }
+		if err := d.srv.decodeBody(w, r, &req); err != nil {
+			writeError(w, err)
+			return
+		}
+		select {
+		case <-r.Context().Done():
+			fmt.Fprint(w, r.Context().Err())
+		case <-time.After(timeout + stall):
+			fmt.Fprint(w, "ok")
+		}
+	}))
+	defer long.Close()
+	if resp, err := http.Post(long.URL, "application/json", strings.NewReader(`{"A":1}`)); err != nil {
+		t.Error(err)
+	} else {
+		got, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if string(got) != "ok" {
+			t.Errorf("a request running past the body bounds: %d %s", resp.StatusCode, got)
+		}
+	}
+
 	// A streamed exec: the head stalls → 408; once the head is in, stdin
 	// may wait longer than both bounds.
 	code, b = d.callCT(t, "POST", "/v1/sandboxes/sb-aaaaaaaaaa/exec/stream", "application/vnd.forkd.exec-stdin",

@@ -195,11 +195,10 @@ func (s *Server) readBody(w http.ResponseWriter, r *http.Request, limit int64) (
 	if r.ContentLength > limit {
 		return nil, nil, &tooLarge{&http.MaxBytesError{Limit: limit}}
 	}
-	// The buffer never needs more than the body and one byte to see its
-	// end.
-	most := limit + 1
+	// The buffer never needs more than the body.
+	most := limit
 	if r.ContentLength >= 0 {
-		most = r.ContentLength + 1
+		most = r.ContentLength
 	}
 	var held int64
 	release = func() {
@@ -210,6 +209,19 @@ func (s *Server) readBody(w http.ResponseWriter, r *http.Request, limit int64) (
 	defer dl.done()
 	src := http.MaxBytesReader(w, io.NopCloser(dl), limit)
 	for {
+		if len(b) == cap(b) && int64(cap(b)) == most {
+			// Full: the body must end here.
+			var one [1]byte
+			n, err := src.Read(one[:])
+			switch {
+			case n > 0 && err == nil:
+				err = &http.MaxBytesError{Limit: most}
+			case errors.Is(err, io.EOF):
+				return b, release, nil
+			}
+			release()
+			return nil, nil, bodyError(err)
+		}
 		if len(b) == cap(b) {
 			grow := min(max(2*int64(cap(b)), minBodyBuf), most)
 			wait := s.cfg.BodyWait
@@ -289,6 +301,9 @@ type budgetReader struct {
 }
 
 func (br *budgetReader) Read(p []byte) (int, error) {
+	if int64(len(p)) > br.b.total {
+		p = p[:br.b.total]
+	}
 	if !br.b.acquire(br.ctx, int64(len(p)), br.wait) {
 		br.busy = true
 		return 0, errdefs.ResourceExhausted("request bodies in flight are at their limit")

@@ -325,3 +325,47 @@ func TestBodyDeadlines(t *testing.T) {
 		t.Errorf("stdin after a long pause: %d %s", resp.StatusCode, got)
 	}
 }
+
+// TestReadBodyEdges: empty, exact, chunked and over-limit bodies, with a
+// budget no larger than one body.
+func TestReadBodyEdges(t *testing.T) {
+	const limit = 4096
+	d := startDaemon(t, fakeNoVMs{}, sandbox.Admission{}, func(_ *sandbox.Config, c *Config) {
+		c.MaxBodyBytes, c.MaxBodyBytesInFlight = limit, limit
+	})
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		b, release, err := d.srv.readBody(w, r, limit)
+		if err != nil {
+			writeError(w, err)
+			return
+		}
+		defer release()
+		fmt.Fprint(w, len(b))
+	}))
+	defer srv.Close()
+	for _, c := range []struct {
+		n       int
+		chunked bool
+		want    string
+	}{
+		{0, false, "0"}, {0, true, "0"}, {1, false, "1"}, {limit, false, "4096"}, {limit, true, "4096"},
+		{limit + 1, false, "413"}, {limit + 1, true, "413"}, {3 * limit, true, "413"},
+	} {
+		var body io.Reader = strings.NewReader(strings.Repeat("x", c.n))
+		if c.chunked {
+			body = io.MultiReader(body) // length unknown: sent chunked
+		}
+		resp, err := http.Post(srv.URL, "application/json", body)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if s := string(got); s != c.want && !(c.want == "413" && resp.StatusCode == 413) {
+			t.Errorf("%d bytes (chunked %v): %d %s, want %s", c.n, c.chunked, resp.StatusCode, got, c.want)
+		}
+	}
+	if held := d.srv.bodies.held(); held != 0 {
+		t.Errorf("%d bytes still held", held)
+	}
+}

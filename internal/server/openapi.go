@@ -75,9 +75,11 @@ func openAPI(version string) ([]byte, error) {
 	doc := map[string]any{
 		"openapi": "3.1.0",
 		"info": map[string]any{
-			"title":       "forkd",
-			"version":     version,
-			"description": "forkd REST API v1: microVM sandboxes forked from warm snapshots. Errors are {\"error\":{\"code\",\"message\"}} with a stable code.",
+			"title":   "forkd",
+			"version": version,
+			"description": "forkd REST API v1: microVM sandboxes forked from warm snapshots. Errors are {\"error\":{\"code\",\"message\"}} with a stable code. " +
+				"JSON request bodies need Content-Type application/json (415 otherwise), must arrive within the daemon's --body-timeout (408), " +
+				"and may be refused with 429 and Retry-After while the daemon holds --max-body-bytes-in-flight of bodies.",
 		},
 		"paths": paths,
 		"components": map[string]any{

@@ -507,3 +507,81 @@ func (c *Client) Publish(ctx context.Context, id string, guestPort int) (*apiv1.
 	var p apiv1.PublishedPort
 	return &p, c.do(ctx, "POST", sandboxPath(id, "/ports"), nil, apiv1.PublishRequest{GuestPort: guestPort}, &p)
 }
+
+// Branch snapshots the running sandbox id into a new snapshot; with
+// req.Wait false it returns at once with the snapshot in status
+// "writing" (poll GetSnapshot).
+func (c *Client) Branch(ctx context.Context, id string, req apiv1.BranchRequest) (*apiv1.Snapshot, error) {
+	var s apiv1.Snapshot
+	return &s, c.do(ctx, "POST", sandboxPath(id, "/branch"), nil, req, &s)
+}
+
+// ForkFrom forks req.Count sandboxes from the current state of the
+// running sandbox id.
+func (c *Client) ForkFrom(ctx context.Context, id string, req apiv1.ForkRequest) (*apiv1.CreateSandboxesResponse, error) {
+	var res apiv1.CreateSandboxesResponse
+	return &res, c.do(ctx, "POST", sandboxPath(id, "/fork"), nil, req, &res)
+}
+
+// SnapshotInfo returns a snapshot's chain and sizes.
+func (c *Client) SnapshotInfo(ctx context.Context, tag string) (*apiv1.SnapshotInfo, error) {
+	var in apiv1.SnapshotInfo
+	return &in, c.do(ctx, "GET", "/v1/snapshots/"+url.PathEscape(tag)+"/info", nil, nil, &in)
+}
+
+// CompactSnapshot makes snapshot to, standing alone, from tag.
+func (c *Client) CompactSnapshot(ctx context.Context, tag, to string) (*apiv1.Snapshot, error) {
+	var s apiv1.Snapshot
+	return &s, c.do(ctx, "POST", "/v1/snapshots/"+url.PathEscape(tag)+"/compact", nil, apiv1.CompactRequest{To: to}, &s)
+}
+
+// RemoveOptions say what DeleteSnapshotWith does with the snapshots made
+// from the one removed: Cascade removes them too, Force leaves them.
+type RemoveOptions struct{ Cascade, Force bool }
+
+// DeleteSnapshotWith removes a snapshot that may have dependents.
+func (c *Client) DeleteSnapshotWith(ctx context.Context, tag string, opts RemoveOptions) error {
+	q := url.Values{}
+	if opts.Cascade {
+		q.Set("cascade", "true")
+	}
+	if opts.Force {
+		q.Set("force", "true")
+	}
+	return c.do(ctx, "DELETE", "/v1/snapshots/"+url.PathEscape(tag), q, nil, nil)
+}
+
+// CreateWorkspace makes a workspace.
+func (c *Client) CreateWorkspace(ctx context.Context, req apiv1.CreateWorkspaceRequest) (*apiv1.Workspace, error) {
+	var w apiv1.Workspace
+	return &w, c.do(ctx, "POST", "/v1/workspaces", nil, req, &w)
+}
+
+// ListWorkspaces lists the workspaces.
+func (c *Client) ListWorkspaces(ctx context.Context) ([]apiv1.Workspace, error) {
+	var l apiv1.WorkspaceList
+	return l.Workspaces, c.do(ctx, "GET", "/v1/workspaces", nil, nil, &l)
+}
+
+// GetWorkspace returns one workspace.
+func (c *Client) GetWorkspace(ctx context.Context, name string) (*apiv1.Workspace, error) {
+	var w apiv1.Workspace
+	return &w, c.do(ctx, "GET", "/v1/workspaces/"+url.PathEscape(name), nil, nil, &w)
+}
+
+// SuspendWorkspace saves a workspace's state and stops its sandbox.
+func (c *Client) SuspendWorkspace(ctx context.Context, name string) (*apiv1.Workspace, error) {
+	var w apiv1.Workspace
+	return &w, c.do(ctx, "POST", "/v1/workspaces/"+url.PathEscape(name)+"/suspend", nil, nil, &w)
+}
+
+// ResumeWorkspace starts a workspace's sandbox again from its latest state.
+func (c *Client) ResumeWorkspace(ctx context.Context, name string) (*apiv1.Workspace, error) {
+	var w apiv1.Workspace
+	return &w, c.do(ctx, "POST", "/v1/workspaces/"+url.PathEscape(name)+"/resume", nil, nil, &w)
+}
+
+// DeleteWorkspace removes a workspace and its state snapshots.
+func (c *Client) DeleteWorkspace(ctx context.Context, name string) error {
+	return c.do(ctx, "DELETE", "/v1/workspaces/"+url.PathEscape(name), nil, nil, nil)
+}

@@ -101,6 +101,16 @@ type Snapshot struct {
 	// files changed, another backend or accelerator, a NIC without root);
 	// empty when it can.
 	Problem string `json:"problem,omitempty"`
+	// Kind is "boot" (built from an image) or "branch" (the state of a
+	// running sandbox: Mode full, diff or live, taken from Source, at
+	// Depth in its chain).
+	Kind   string `json:"kind,omitempty"`
+	Mode   string `json:"mode,omitempty"`
+	Source string `json:"source,omitempty"`
+	Depth  int    `json:"depth,omitempty"`
+	// Ephemeral: it belongs to the sandboxes forked from it (fork from a
+	// sandbox), and goes with the last of them.
+	Ephemeral bool `json:"ephemeral,omitempty"`
 }
 
 // SnapshotList answers GET /v1/snapshots.
@@ -482,3 +492,102 @@ type RenameRequest struct {
 
 // Empty is the body of a successful response with nothing to say.
 type Empty struct{}
+
+// Branch modes (BranchRequest.Mode).
+const (
+	BranchFull = "full"
+	BranchDiff = "diff"
+	BranchLive = "live"
+)
+
+// BranchRequest is the body of POST /v1/sandboxes/{id}/branch: snapshot
+// the running sandbox into a new snapshot Tag ("" makes one up) that more
+// sandboxes fork from. Mode is "full" (stands alone), "diff" (default: a
+// layer of the pages that differ from the source's snapshot, chained to
+// it) or "live" (the source pauses only to switch over). With Wait false
+// the answer is 202 with the snapshot in status "writing"; poll GET
+// /v1/snapshots/{tag}.
+type BranchRequest struct {
+	Tag  string `json:"tag,omitempty"`
+	Mode string `json:"mode,omitempty"`
+	Wait *bool  `json:"wait,omitempty"` // default true
+}
+
+// ForkRequest is the body of POST /v1/sandboxes/{id}/fork: branch the
+// running sandbox (Mode, as BranchRequest's) into a snapshot that belongs
+// to the new sandboxes, and fork Count of them (default 1) from it, with
+// the options of a create request. The snapshot goes when its last
+// sandbox does. The answer is a CreateSandboxesResponse.
+type ForkRequest struct {
+	Count       int               `json:"count,omitempty"`
+	Mode        string            `json:"mode,omitempty"`
+	TimeoutSecs int               `json:"timeout_secs,omitempty"`
+	Metadata    map[string]string `json:"metadata,omitempty"`
+	Limits
+	Network        *NetworkSpec `json:"network,omitempty"`
+	KeepPartial    bool         `json:"keep_partial,omitempty"`
+	OnUnresponsive string       `json:"on_unresponsive,omitempty"`
+}
+
+// SnapshotInfo answers GET /v1/snapshots/{tag}/info: the snapshot, its
+// place in its chain and what it takes.
+type SnapshotInfo struct {
+	Snapshot
+	// LogicalBytes is the guest RAM size; PhysicalBytes what the
+	// snapshot's files take on disk; LayerBytes what its own layer takes.
+	LogicalBytes  int64 `json:"logical_bytes"`
+	PhysicalBytes int64 `json:"physical_bytes"`
+	LayerBytes    int64 `json:"layer_bytes"`
+	// Ancestors are the tags above it, parent first; ChainError why the
+	// chain stops early (a parent missing or altered).
+	Ancestors  []string `json:"ancestors"`
+	ChainError string   `json:"chain_error,omitempty"`
+	// Dependents are the snapshots made from it.
+	Dependents []string `json:"dependents"`
+	// For a branch: how long its source paused, how much it had written,
+	// and the whole branch's time.
+	PauseMS    float64 `json:"pause_ms,omitempty"`
+	DirtyBytes int64   `json:"dirty_bytes,omitempty"`
+	TotalMS    float64 `json:"total_ms,omitempty"`
+}
+
+// CompactRequest is the body of POST /v1/snapshots/{tag}/compact: make
+// snapshot To, standing alone, from the snapshot (and its chain).
+type CompactRequest struct {
+	To string `json:"to"`
+}
+
+// Workspace statuses.
+const (
+	WorkspaceRunning   = "running"
+	WorkspaceSuspended = "suspended"
+)
+
+// CreateWorkspaceRequest is the body of POST /v1/workspaces: a named,
+// long-lived sandbox forked from SnapshotTag, with the options of a
+// create request (its n must be 0 or 1).
+type CreateWorkspaceRequest struct {
+	Name string `json:"name"`
+	CreateSandboxesRequest
+}
+
+// Workspace is a named, long-lived sandbox. Suspend branches its sandbox
+// into a state snapshot and stops it (no CPU, no RAM held); resume forks
+// a new sandbox (a new id, the same name) from its latest state. It
+// survives daemon restarts.
+type Workspace struct {
+	Name     string `json:"name"`
+	Snapshot string `json:"snapshot"` // what it was created from
+	Status   string `json:"status"`   // running or suspended
+	// Sandbox is its sandbox while it runs.
+	Sandbox string `json:"sandbox,omitempty"`
+	// States are the snapshots it was suspended to, oldest first.
+	States  []string  `json:"states,omitempty"`
+	Created time.Time `json:"created"`
+	Updated time.Time `json:"updated"`
+}
+
+// WorkspaceList answers GET /v1/workspaces.
+type WorkspaceList struct {
+	Workspaces []Workspace `json:"workspaces"`
+}

@@ -24,7 +24,7 @@ type batchFlags struct {
 // help ("child", "children").
 func (b *batchFlags) register(cmd *cobra.Command, one, many string) {
 	f := cmd.Flags()
-	f.StringVar(&b.req.SnapshotTag, "tag", "", "snapshot to fork (required)")
+	f.StringVar(&b.req.SnapshotTag, "tag", "", "snapshot to fork")
 	f.IntVarP(&b.req.N, "n", "n", 1, "number of "+many)
 	f.BoolVar(&b.req.KeepPartial, "keep-partial", false, "keep the "+many+" that came up when others failed")
 	b.iso.register(f)
@@ -34,7 +34,6 @@ func (b *batchFlags) register(cmd *cobra.Command, one, many string) {
 	_ = f.MarkHidden("per-child-netns") // just added
 	f.StringArrayVar(&b.meta, "metadata", nil, "KEY=VALUE recorded with each "+one+" (repeatable)")
 	f.StringVar(&b.req.OnUnresponsive, "on-unresponsive", "", "when the "+one+"'s agent stops answering: keep (marked unresponsive) or kill (default: the daemon's --unresponsive, else keep)")
-	requireFlag(cmd, "tag")
 }
 
 // request checks the flags and returns the create request they make.
@@ -46,6 +45,9 @@ func (b *batchFlags) request() (apiv1.CreateSandboxesRequest, error) {
 	b.req.Metadata = md
 	if b.req.N < 1 {
 		return b.req, errdefs.InvalidArgument("-n %d: want at least 1", b.req.N)
+	}
+	if b.req.SnapshotTag == "" {
+		return b.req, errdefs.InvalidArgument("--tag is required: the snapshot to fork")
 	}
 	if err := b.iso.apply(&b.req); err != nil {
 		return b.req, err
@@ -72,4 +74,22 @@ func parseKV(kvs []string, flag string) (map[string]string, error) {
 		out[k] = v
 	}
 	return out, nil
+}
+
+// forkRequest is the fork-from-a-sandbox request the flags make, with the
+// branch mode: the same options, checked as the daemon will.
+func (b *batchFlags) forkRequest(mode string) (apiv1.ForkRequest, error) {
+	req := b.req
+	req.SnapshotTag = "from-sandbox" // checked by ForkFrom, not sent
+	b.req = req
+	if _, err := b.request(); err != nil {
+		return apiv1.ForkRequest{}, err
+	}
+	req = b.req
+	fr := apiv1.ForkRequest{Count: req.N, Mode: mode, TimeoutSecs: req.TimeoutSecs, Metadata: req.Metadata,
+		Limits: req.Limits, Network: req.Network, KeepPartial: req.KeepPartial, OnUnresponsive: req.OnUnresponsive}
+	if _, _, err := request.ForkFrom(&fr, sandbox.DefaultMaxChildren); err != nil {
+		return fr, err
+	}
+	return fr, nil
 }

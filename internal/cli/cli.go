@@ -116,6 +116,10 @@ func newRoot(g *globals) *cobra.Command {
 		newNetCmd(g),
 		newPublishCmd(g),
 		newCleanupCmd(g),
+		newBranchCmd(g),
+		newSnapshotInfoCmd(g),
+		newSnapshotCompactCmd(g),
+		newWorkspaceCmd(g),
 	)
 	return root
 }

@@ -3,6 +3,9 @@ package cli
 import (
 	"fmt"
 
+	apiv1 "github.com/forkd/forkd/api/v1"
+	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/sandbox"
 	"github.com/spf13/cobra"
 )
 
@@ -20,12 +23,31 @@ type forkChild struct {
 func newForkCmd(g *globals) *cobra.Command {
 	var batch batchFlags
 	var asJSON bool
+	var from, mode string
 	cmd := &cobra.Command{
-		Use:   "fork --tag TAG -n N",
-		Short: "Restore N children of a snapshot; each is ready when its agent answers",
-		Args:  cobra.NoArgs,
+		Use:   "fork --tag TAG -n N | --from ID -n N",
+		Short: "Restore N children of a snapshot, or of a running sandbox's current state",
+		Long: `Restore N children of a snapshot (--tag); each is ready when its agent answers.
+
+With --from ID the children start from the running sandbox's current state: it is
+branched (--mode, default diff) into a snapshot of their own, removed once the last
+of them is gone.`,
+		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			req, err := batch.request()
+			if (from == "") == (batch.req.SnapshotTag == "") {
+				return errdefs.InvalidArgument("give --tag TAG (a snapshot) or --from ID (a running sandbox)")
+			}
+			var fr apiv1.ForkRequest
+			var req apiv1.CreateSandboxesRequest
+			var err error
+			if from != "" {
+				if err := sandbox.ValidateID(from); err != nil {
+					return err
+				}
+				fr, err = batch.forkRequest(mode)
+			} else {
+				req, err = batch.request()
+			}
 			if err != nil {
 				return err
 			}
@@ -34,10 +56,18 @@ func newForkCmd(g *globals) *cobra.Command {
 				return err
 			}
 			defer done()
-			res, err := c.CreateSandboxes(cmd.Context(), req)
+			var res *apiv1.CreateSandboxesResponse
+			label := req.SnapshotTag
+			if from != "" {
+				res, err = c.ForkFrom(cmd.Context(), from, fr)
+				label = from
+			} else {
+				res, err = c.CreateSandboxes(cmd.Context(), req)
+			}
 			if err != nil {
 				return err
 			}
+			req.SnapshotTag = label
 			if !asJSON {
 				return printSpawned(g, req.SnapshotTag, res, false)
 			}
@@ -58,5 +88,7 @@ func newForkCmd(g *globals) *cobra.Command {
 	}
 	batch.register(cmd, "child", "children")
 	cmd.Flags().BoolVar(&asJSON, "json", false, `print {"children":[{"id","ready_ms"}],"wall_ms"}`)
+	cmd.Flags().StringVar(&from, "from", "", "fork from this running sandbox's current state")
+	cmd.Flags().StringVar(&mode, "mode", "", "with --from: the branch's mode, full, diff (default) or live")
 	return cmd
 }

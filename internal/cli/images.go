@@ -9,6 +9,8 @@ import (
 	"github.com/spf13/cobra"
 
 	apiv1 "github.com/forkd/forkd/api/v1"
+	"github.com/forkd/forkd/client"
+	"github.com/forkd/forkd/internal/errdefs"
 	"github.com/forkd/forkd/internal/snapshot"
 )
 
@@ -26,7 +28,12 @@ type snapshotView struct {
 	Created     time.Time `json:"created"`
 	Parent      string    `json:"parent,omitempty"`
 	Network     bool      `json:"network,omitempty"`
-	Error       string    `json:"error,omitempty"` // why a snapshot is failed or corrupt
+	Error       string    `json:"error,omitempty"`   // why a snapshot is failed or corrupt
+	Problem     string    `json:"problem,omitempty"` // why it cannot be forked here
+	Kind        string    `json:"kind,omitempty"`    // boot or branch
+	Mode        string    `json:"mode,omitempty"`    // a branch's: full, diff or live
+	Depth       int       `json:"depth,omitempty"`
+	Ephemeral   bool      `json:"ephemeral,omitempty"` // goes with its last child (fork --from)
 }
 
 func newImagesCmd(g *globals) *cobra.Command {
@@ -55,37 +62,45 @@ func newImagesCmd(g *globals) *cobra.Command {
 }
 
 func newRmiCmd(g *globals) *cobra.Command {
-	return &cobra.Command{
-		Use:   "rmi TAG...",
-		Short: "Remove snapshots (refused while children use them)",
-		Args:  cobra.MinimumNArgs(1),
+	var opts client.RemoveOptions
+	cmd := &cobra.Command{
+		Use:   "rmi TAG... [--cascade | --force]",
+		Short: "Remove snapshots (refused while children use them, or while others were made from them)",
+		Long: `Remove snapshots. A snapshot sandboxes use is never removed. One that other
+snapshots were branched from (its dependents) is refused, naming them, unless
+--cascade (remove the dependents first) or --force (remove it alone: each dependent
+still forks, since each holds its whole memory, but its chain is broken).`,
+		Args: cobra.MinimumNArgs(1),
 		RunE: func(cmd *cobra.Command, tags []string) error {
+			if opts.Cascade && opts.Force {
+				return errdefs.InvalidArgument("--cascade and --force: give one")
+			}
 			for _, tag := range tags {
 				if err := snapshot.ValidateTag(tag); err != nil {
 					return err
 				}
-			}
-			// Each tag is tried; the ones removed are printed, the others'
-			// errors joined (exit non-zero), as kill does.
-			remove := func(rm func(string) error) error {
-				var errs []error
-				for _, tag := range tags {
-					if err := rm(tag); err != nil {
-						errs = append(errs, fmt.Errorf("%s: %w", tag, err))
-						continue
-					}
-					fmt.Fprintln(g.stdout, tag)
-				}
-				return errors.Join(errs...)
 			}
 			c, done, err := g.api(cmd.Context())
 			if err != nil {
 				return err
 			}
 			defer done()
-			return remove(func(tag string) error { return c.DeleteSnapshot(cmd.Context(), tag) })
+			// Each tag is tried; the ones removed are printed, the others'
+			// errors joined (exit non-zero), as kill does.
+			var errs []error
+			for _, tag := range tags {
+				if err := c.DeleteSnapshotWith(cmd.Context(), tag, opts); err != nil {
+					errs = append(errs, fmt.Errorf("%s: %w", tag, err))
+					continue
+				}
+				fmt.Fprintln(g.stdout, tag)
+			}
+			return errors.Join(errs...)
 		},
 	}
+	cmd.Flags().BoolVar(&opts.Cascade, "cascade", false, "also remove the snapshots made from it, recursively")
+	cmd.Flags().BoolVar(&opts.Force, "force", false, "remove it even though snapshots were made from it (they keep working, unchained)")
+	return cmd
 }
 
 // listSnapshots lists the snapshots in images' shape.
@@ -108,6 +123,7 @@ func apiSnapshotView(s apiv1.Snapshot) snapshotView {
 	return snapshotView{
 		Tag: s.Tag, Status: s.Status, Image: s.Image, Backend: s.Backend, Accelerator: s.Accelerator,
 		MemoryMiB: s.MemoryMiB, VCPUs: s.VCPUs, SizeBytes: s.SizeBytes, Refcount: s.Refcount,
-		Created: s.Created, Parent: s.Parent, Network: s.Network, Error: s.Error,
+		Created: s.Created, Parent: s.Parent, Network: s.Network, Error: s.Error, Problem: s.Problem,
+		Kind: s.Kind, Mode: s.Mode, Depth: s.Depth, Ephemeral: s.Ephemeral,
 	}
 }

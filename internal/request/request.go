@@ -227,6 +227,13 @@ func ViewSnapshot(sn *snapshot.Snapshot, refs int, problem error) apiv1.Snapshot
 	if problem != nil {
 		v.Problem = problem.Error()
 	}
+	v.Kind, v.Ephemeral = sn.Kind, sn.Ephemeral
+	if v.Kind == "" && sn.Status != snapshot.StatusCorrupt && sn.Status != snapshot.StatusWriting {
+		v.Kind = snapshot.KindBoot
+	}
+	if b := sn.Branch; b != nil {
+		v.Mode, v.Source, v.Depth = b.Mode, b.Source, b.Depth
+	}
 	return v
 }
 
@@ -338,4 +345,73 @@ func EvalResult(res *proto.EvalResult) apiv1.EvalResult {
 		out.Error = &apiv1.EvalError{Name: res.Error.Name, Message: res.Error.Message, Traceback: res.Error.Traceback}
 	}
 	return out
+}
+
+// ForkFrom validates a request to fork from a running sandbox into the
+// branch mode and the spec of the fork (its Tag left empty: the branch
+// names it). maxN is the largest batch one request may ask for.
+func ForkFrom(req *apiv1.ForkRequest, maxN int) (string, sandbox.ForkSpec, error) {
+	if err := sandbox.ValidateBranchMode(req.Mode); err != nil {
+		return "", sandbox.ForkSpec{}, fmt.Errorf("mode: %w", err)
+	}
+	if req.Count < 0 || req.Count > maxN {
+		return "", sandbox.ForkSpec{}, errdefs.InvalidArgument("count = %d: want 1 to %d per request (0 means 1)", req.Count, maxN)
+	}
+	spec, err := ForkSpec(&apiv1.CreateSandboxesRequest{
+		SnapshotTag: "from-sandbox", N: req.Count, TimeoutSecs: req.TimeoutSecs, Metadata: req.Metadata,
+		Limits: req.Limits, Network: req.Network, KeepPartial: req.KeepPartial, OnUnresponsive: req.OnUnresponsive,
+	}, maxN)
+	spec.Tag = ""
+	return req.Mode, spec, err
+}
+
+// Branch validates a branch request into the engine's spec for sandbox id
+// and whether to wait for it.
+func Branch(id string, req *apiv1.BranchRequest) (sandbox.BranchSpec, bool, error) {
+	if err := sandbox.ValidateBranchMode(req.Mode); err != nil {
+		return sandbox.BranchSpec{}, false, fmt.Errorf("mode: %w", err)
+	}
+	if req.Tag != "" {
+		if err := snapshot.ValidateTag(req.Tag); err != nil {
+			return sandbox.BranchSpec{}, false, fmt.Errorf("tag: %w", err)
+		}
+	}
+	wait := req.Wait == nil || *req.Wait
+	return sandbox.BranchSpec{ID: id, Tag: req.Tag, Mode: req.Mode}, wait, nil
+}
+
+// ViewInfo is a snapshot's info as the API shows it.
+func ViewInfo(in *snapshot.Info, refs int, problem error) apiv1.SnapshotInfo {
+	v := apiv1.SnapshotInfo{
+		Snapshot: ViewSnapshot(in.Snapshot, refs, problem), LogicalBytes: in.LogicalBytes,
+		PhysicalBytes: in.PhysicalBytes, LayerBytes: in.LayerBytes,
+		Ancestors: append([]string{}, in.Ancestors...), ChainError: in.ChainError,
+		Dependents: append([]string{}, in.Dependents...),
+	}
+	if b := in.Snapshot.Branch; b != nil {
+		v.PauseMS, v.DirtyBytes, v.TotalMS = b.PauseMS, b.DirtyBytes, b.TotalMS
+	}
+	return v
+}
+
+// Workspace validates a workspace create request into its name and the
+// spec of its one sandbox.
+func Workspace(req *apiv1.CreateWorkspaceRequest, maxN int) (string, sandbox.ForkSpec, error) {
+	if err := sandbox.ValidateWorkspaceName(req.Name); err != nil {
+		return "", sandbox.ForkSpec{}, err
+	}
+	if req.N > 1 || req.KeepPartial {
+		return "", sandbox.ForkSpec{}, errdefs.InvalidArgument("a workspace has one sandbox: n must be 0 or 1, keep_partial unset")
+	}
+	if req.TimeoutSecs != 0 {
+		return "", sandbox.ForkSpec{}, errdefs.InvalidArgument("a workspace lives until removed: timeout_secs must be 0")
+	}
+	spec, err := ForkSpec(&req.CreateSandboxesRequest, maxN)
+	return req.Name, spec, err
+}
+
+// ViewWorkspace is a workspace as the API shows it.
+func ViewWorkspace(w *state.Workspace) apiv1.Workspace {
+	return apiv1.Workspace{Name: w.Name, Snapshot: w.Snapshot, Status: w.Status, Sandbox: w.Sandbox,
+		States: append([]string(nil), w.States...), Created: w.Created, Updated: w.Updated}
 }

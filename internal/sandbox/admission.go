@@ -60,6 +60,24 @@ func (a *Admitter) Fork(ctx context.Context, spec ForkSpec) (*ForkResult, error)
 	return a.e.Fork(ctx, spec)
 }
 
+// ForkFrom admits spec as Fork does, then forks it from the running
+// sandbox id's current state (Engine.ForkFrom).
+func (a *Admitter) ForkFrom(ctx context.Context, id, mode string, spec ForkSpec) (*ForkResult, error) {
+	if spec.IDs != nil {
+		return nil, errdefs.InvalidArgument("ids are chosen by the admitter")
+	}
+	if spec.N < 1 {
+		return nil, errdefs.InvalidArgument("n = %d: want at least 1", spec.N)
+	}
+	ids, err := a.reserve(spec.N)
+	if err != nil {
+		return nil, err
+	}
+	defer a.release(ids)
+	spec.IDs = ids
+	return a.e.ForkFrom(ctx, id, mode, spec)
+}
+
 // Live returns the number of live sandboxes: records starting or running
 // (with their VMM alive) and reserved ids.
 func (a *Admitter) Live() (int, error) {

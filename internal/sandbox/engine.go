@@ -68,6 +68,9 @@ type Config struct {
 	// (default DefaultMaxPortsPerSandbox), so that no sandbox takes the
 	// whole port range from the others.
 	MaxPortsPerSandbox int
+	// MaxBranches bounds the branches taken at once (default
+	// DefaultMaxBranches); more are refused, to be retried.
+	MaxBranches int
 	// Daemon keeps the state database open and agent connections cached.
 	Daemon bool
 	// Unresponsive is what happens to a sandbox whose agent stops
@@ -99,6 +102,7 @@ type Engine struct {
 	runDir string
 
 	restores chan struct{} // one token per restore in progress
+	branches chan struct{} // one token per branch being taken
 	pool     *pool         // nil without Config.Pool
 
 	mu    sync.Mutex               // guards conns
@@ -148,6 +152,35 @@ func (k *keyedLocks) lock(key string) (unlock func()) {
 	}
 }
 
+// tryLock locks key's mutex if nobody holds it, and returns the unlock.
+func (k *keyedLocks) tryLock(key string) (unlock func(), ok bool) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if k.m == nil {
+		k.m = map[string]*keyedLock{}
+	}
+	l := k.m[key]
+	if l == nil {
+		l = &keyedLock{}
+		k.m[key] = l
+	}
+	if !l.TryLock() {
+		if l.users == 0 {
+			delete(k.m, key)
+		}
+		return nil, false
+	}
+	l.users++
+	return func() {
+		l.Unlock()
+		k.mu.Lock()
+		if l.users--; l.users == 0 {
+			delete(k.m, key)
+		}
+		k.mu.Unlock()
+	}, true
+}
+
 // held returns how many keys have a mutex now.
 func (k *keyedLocks) held() int {
 	k.mu.Lock()
@@ -168,6 +201,9 @@ func New(cfg Config) (*Engine, error) {
 	}
 	if cfg.MaxChildren <= 0 {
 		cfg.MaxChildren = DefaultMaxChildren
+	}
+	if cfg.MaxBranches <= 0 {
+		cfg.MaxBranches = DefaultMaxBranches
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
@@ -206,6 +242,7 @@ func New(cfg Config) (*Engine, error) {
 		state:    st,
 		runDir:   runDir,
 		restores: make(chan struct{}, cfg.MaxParallel),
+		branches: make(chan struct{}, cfg.MaxBranches),
 		conns:    map[string]*agent.Client{},
 		images: &image.Builder{
 			CacheDir:  cfg.CacheDir,

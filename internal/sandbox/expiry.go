@@ -143,4 +143,5 @@ func (x *Expirer) reclaim(stale *state.Sandbox) {
 	if err := x.e.release(ctx, sb); err != nil {
 		x.e.log.Warn("reclaim dead sandbox", "sandbox", sb.ID, "err", err)
 	}
+	x.e.dropEphemeral(sb.Snapshot)
 }

@@ -32,7 +32,11 @@ func (e *Engine) Kill(ctx context.Context, id string) error {
 	if err := e.stop(ctx, sb); err != nil {
 		return fmt.Errorf("kill %s: %w", id, err)
 	}
-	return e.state.Delete(id)
+	if err := e.state.Delete(id); err != nil {
+		return err
+	}
+	e.dropEphemeral(sb.Snapshot)
+	return nil
 }
 
 // stop ends a sandbox's VMM (if it still runs) and releases everything
@@ -173,22 +177,69 @@ func (e *Engine) users() (map[string][]string, error) {
 	return out, nil
 }
 
-// RemoveSnapshot deletes snapshot tag; refused while any sandbox uses it.
+// RemoveSnapshot deletes snapshot tag; refused while any sandbox uses it,
+// while it is being written, and while other snapshots were made from it.
 // Its parked VMMs are discarded first.
 func (e *Engine) RemoveSnapshot(tag string) error {
+	_, err := e.RemoveSnapshotWith(tag, snapshot.RemoveOptions{})
+	return err
+}
+
+// RemoveSnapshotWith is RemoveSnapshot that, with opts, removes the
+// snapshots made from tag first (Cascade) or leaves them (Force); it
+// returns the tags removed.
+func (e *Engine) RemoveSnapshotWith(tag string, opts snapshot.RemoveOptions) ([]string, error) {
 	if err := snapshot.ValidateTag(tag); err != nil {
-		return err
+		return nil, err
 	}
-	if err := e.pool.drop(tag); err != nil {
-		e.log.Warn("discard parked VMMs", "snapshot", tag, "err", err)
-	}
-	err := e.snaps.Remove(tag)
-	if errdefs.IsFailedPrecondition(err) {
-		if ids, lerr := e.Users(tag); lerr == nil && len(ids) > 0 {
-			return errdefs.FailedPrecondition("snapshot %q is in use by %d sandbox(es) (%s); kill them first (forkd kill --tag %s)", tag, len(ids), shortList(ids), tag)
+	if _, err := e.snaps.Get(tag); errdefs.IsNotFound(err) {
+		if list, lerr := e.snaps.List(); lerr == nil {
+			for _, sn := range list {
+				if sn.Tag == tag && sn.Status == snapshot.StatusWriting {
+					return nil, errdefs.FailedPrecondition("snapshot %q is still being written", tag)
+				}
+			}
 		}
 	}
-	return err
+	tags := []string{tag}
+	if opts.Cascade {
+		deps, err := e.descendants(tag)
+		if err != nil {
+			return nil, err
+		}
+		tags = append(tags, deps...)
+	}
+	for _, t := range tags {
+		if err := e.pool.drop(t); err != nil {
+			e.log.Warn("discard parked VMMs", "snapshot", t, "err", err)
+		}
+	}
+	removed, err := e.snaps.RemoveTree(tag, opts)
+	if errdefs.IsFailedPrecondition(err) {
+		for _, t := range tags {
+			if ids, lerr := e.Users(t); lerr == nil && len(ids) > 0 {
+				return removed, errdefs.FailedPrecondition("snapshot %q is in use by %d sandbox(es) (%s); kill them first (forkd kill --tag %s)", t, len(ids), shortList(ids), t)
+			}
+		}
+	}
+	return removed, err
+}
+
+// descendants returns every snapshot made from tag, at any depth.
+func (e *Engine) descendants(tag string) ([]string, error) {
+	deps, err := e.snaps.Dependents(tag)
+	if err != nil {
+		return nil, err
+	}
+	out := append([]string(nil), deps...)
+	for _, d := range deps {
+		more, err := e.descendants(d)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, more...)
+	}
+	return out, nil
 }
 
 func shortList(ids []string) string {

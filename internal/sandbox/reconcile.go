@@ -13,6 +13,7 @@ import (
 
 	"github.com/forkd/forkd/internal/errdefs"
 	"github.com/forkd/forkd/internal/proc"
+	"github.com/forkd/forkd/internal/snapshot"
 	"github.com/forkd/forkd/internal/state"
 )
 
@@ -177,6 +178,15 @@ func (e *Engine) Reconcile(ctx context.Context) (*ReconcileReport, error) {
 	}
 	if err := e.snaps.Reclaim(); err != nil {
 		errs = append(errs, fmt.Errorf("reclaim snapshot staging: %w", err))
+	}
+	// Snapshots of fork --from whose children all went while no forkd
+	// ran (or in a crash) go too.
+	if snaps, err := e.snaps.List(); err == nil {
+		for _, sn := range snaps {
+			if sn.Ephemeral && sn.Status == snapshot.StatusReady {
+				e.dropEphemeral(sn.Tag)
+			}
+		}
 	}
 	if err := e.images.Reclaim(); err != nil {
 		errs = append(errs, fmt.Errorf("reclaim image cache staging: %w", err))

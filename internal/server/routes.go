@@ -93,7 +93,17 @@ var routes = []route{
 	{Method: "GET", Path: "/v1/snapshots", Summary: "List snapshots", Response: apiv1.SnapshotList{}, h: plain((*Server).listSnapshots)},
 	{Method: "POST", Path: "/v1/snapshots", Summary: "Build a snapshot from an image (202 with an operation)", Status: http.StatusAccepted, Response: apiv1.Operation{}, h: body((*Server).createSnapshot)},
 	{Method: "GET", Path: "/v1/snapshots/{tag}", Summary: "One snapshot, with size, refcount and status", Response: apiv1.Snapshot{}, h: plain((*Server).getSnapshot)},
-	{Method: "DELETE", Path: "/v1/snapshots/{tag}", Summary: "Delete a snapshot; 409 while sandboxes use it", Status: http.StatusNoContent, h: plain((*Server).deleteSnapshot)},
+	{Method: "DELETE", Path: "/v1/snapshots/{tag}", Summary: "Delete a snapshot; 409 while sandboxes use it, or while snapshots made from it remain (unless cascade or force)", Status: http.StatusNoContent,
+		Query: []param{{Name: "cascade", Type: "boolean", Doc: "also remove the snapshots made from it, recursively"}, {Name: "force", Type: "boolean", Doc: "remove it and leave the snapshots made from it (each still forks; its chain is broken)"}},
+		h:     plain((*Server).deleteSnapshot)},
+	{Method: "GET", Path: "/v1/snapshots/{tag}/info", Summary: "A snapshot's chain (parent, depth, ancestors, dependents) and sizes", Response: apiv1.SnapshotInfo{}, h: plain((*Server).snapshotInfo)},
+	{Method: "POST", Path: "/v1/snapshots/{tag}/compact", Summary: "Make snapshot `to`, standing alone, from this one and its chain", Status: http.StatusCreated, Response: apiv1.Snapshot{}, h: body((*Server).compactSnapshot)},
+	{Method: "POST", Path: "/v1/workspaces", Summary: "Create a workspace: a named, long-lived sandbox", Status: http.StatusCreated, Response: apiv1.Workspace{}, h: body((*Server).createWorkspace)},
+	{Method: "GET", Path: "/v1/workspaces", Summary: "List workspaces", Response: apiv1.WorkspaceList{}, h: plain((*Server).listWorkspaces)},
+	{Method: "GET", Path: "/v1/workspaces/{name}", Summary: "One workspace", Response: apiv1.Workspace{}, h: plain((*Server).getWorkspace)},
+	{Method: "POST", Path: "/v1/workspaces/{name}/suspend", Summary: "Branch the workspace's sandbox into a state snapshot and stop it", Response: apiv1.Workspace{}, h: plain((*Server).suspendWorkspace)},
+	{Method: "POST", Path: "/v1/workspaces/{name}/resume", Summary: "Fork the workspace's sandbox again from its latest state (a new id)", Response: apiv1.Workspace{}, h: plain((*Server).resumeWorkspace)},
+	{Method: "DELETE", Path: "/v1/workspaces/{name}", Summary: "Remove a workspace: its sandbox and its state snapshots, never the snapshot it was created from", Status: http.StatusNoContent, h: plain((*Server).deleteWorkspace)},
 	{Method: "GET", Path: "/v1/operations", Summary: "List long-running operations", Response: apiv1.OperationList{}, h: plain((*Server).listOperations)},
 	{Method: "GET", Path: "/v1/operations/{id}", Summary: "One operation", Response: apiv1.Operation{}, h: plain((*Server).getOperation)},
 
@@ -104,6 +114,8 @@ var routes = []route{
 	{Method: "POST", Path: "/v1/sandboxes/{id}/timeout", Summary: "Kill the sandbox timeout_secs from now (0: never)", Response: apiv1.Sandbox{}, h: body((*Server).setTimeout)},
 	{Method: "PUT", Path: "/v1/sandboxes/{id}/network", Summary: "Replace the sandbox's egress policy, atomically", Response: apiv1.Sandbox{}, h: body((*Server).setNetwork)},
 	{Method: "POST", Path: "/v1/sandboxes/{id}/ports", Summary: "Publish a guest TCP port on a host port", Response: apiv1.PublishedPort{}, h: body((*Server).publishPort)},
+	{Method: "POST", Path: "/v1/sandboxes/{id}/branch", Summary: "Snapshot the running sandbox into a new snapshot (201; 202 with status writing when wait is false)", Status: http.StatusCreated, Response: apiv1.Snapshot{}, h: body((*Server).branchSandbox)},
+	{Method: "POST", Path: "/v1/sandboxes/{id}/fork", Summary: "Fork count sandboxes from the running sandbox's current state (a snapshot of their own, gone with the last of them)", Status: http.StatusCreated, Response: apiv1.CreateSandboxesResponse{}, h: body((*Server).forkSandbox)},
 	{Method: "POST", Path: "/v1/sandboxes/{id}/ping", Summary: "Round trip to the guest agent", Response: apiv1.PingResult{}, h: plain((*Server).ping)},
 	{Method: "POST", Path: "/v1/sandboxes/{id}/exec", Summary: "Run a process; output buffered in the result", Response: apiv1.ExecResult{}, h: body((*Server).exec)},
 	{Method: "POST", Path: "/v1/sandboxes/{id}/exec/stream", Summary: "Run a process; output streamed as NDJSON events as produced", Produces: ndjson, Response: apiv1.StreamEvent{}, h: raw((*Server).execStream, new(apiv1.ExecRequest))},
@@ -170,6 +182,10 @@ func (s *Server) adapt(rt route) http.Handler {
 			s.boundDiscard(w, err)
 			writeError(w, err)
 		case v != nil || status == http.StatusNoContent:
+			if st, ok := v.(statusValue); ok { // a status of the handler's own
+				writeJSON(w, st.code, st.v)
+				return
+			}
 			writeJSON(w, status, v)
 		}
 	})

@@ -24,7 +24,16 @@ func (s *Server) createSandboxes(r *http.Request, req *apiv1.CreateSandboxesRequ
 		return nil, errdefs.InvalidArgument("network.publish has %d ports; a sandbox may publish at most %d (forkd serve --max-ports-per-sandbox)",
 			len(spec.Net.Publish), most)
 	}
-	res, err := s.cfg.Admitter.Fork(r.Context(), spec)
+	return s.fork(r, spec, func(spec sandbox.ForkSpec) (*sandbox.ForkResult, error) {
+		return s.cfg.Admitter.Fork(r.Context(), spec)
+	})
+}
+
+// fork runs a fork (do, with spec) for a request and answers with its
+// sandboxes, counting them; children of a caller that left are killed,
+// since nobody would learn their ids.
+func (s *Server) fork(r *http.Request, spec sandbox.ForkSpec, do func(sandbox.ForkSpec) (*sandbox.ForkResult, error)) (any, error) {
+	res, err := do(spec)
 	if res == nil {
 		switch {
 		case errdefs.IsResourceExhausted(err):

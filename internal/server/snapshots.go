@@ -50,7 +50,18 @@ func (s *Server) deleteSnapshot(r *http.Request) (any, error) {
 	if s.ops.writing()[tag] {
 		return nil, errdefs.FailedPrecondition("snapshot %q is still being written", tag)
 	}
-	return nil, s.e.RemoveSnapshot(tag)
+	q := r.URL.Query()
+	opts := snapshot.RemoveOptions{Cascade: q.Get("cascade") == "true", Force: q.Get("force") == "true"}
+	for _, k := range []string{"cascade", "force"} {
+		if v := q.Get(k); v != "" && v != "true" && v != "false" {
+			return nil, errdefs.InvalidArgument("%s=%s: want true or false", k, errdefs.Quote(v))
+		}
+	}
+	if opts.Cascade && opts.Force {
+		return nil, errdefs.InvalidArgument("cascade and force: give one")
+	}
+	_, err := s.e.RemoveSnapshotWith(tag, opts)
+	return nil, err
 }
 
 // createSnapshot starts building a snapshot in the background and answers

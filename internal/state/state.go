@@ -114,9 +114,35 @@ type Batch struct {
 }
 
 var (
-	bucketSandboxes = []byte("sandboxes")
-	bucketBatches   = []byte("batches")
+	bucketSandboxes  = []byte("sandboxes")
+	bucketBatches    = []byte("batches")
+	bucketWorkspaces = []byte("workspaces")
 )
+
+// Workspace statuses.
+const (
+	WorkspaceRunning   = "running"
+	WorkspaceSuspended = "suspended"
+)
+
+// Workspace is a named, long-lived sandbox: its current sandbox while it
+// runs, and the state snapshots it was suspended to.
+type Workspace struct {
+	Name string `json:"name"`
+	// Snapshot is what it was created from; never removed with it.
+	Snapshot string `json:"snapshot"`
+	Status   string `json:"status"`
+	// Sandbox is its sandbox while running ("" when suspended).
+	Sandbox string `json:"sandbox,omitempty"`
+	// States are the snapshots it was suspended to, oldest first; the last
+	// ready one is what it resumes from. Each is removed with it.
+	States  []string  `json:"states,omitempty"`
+	Created time.Time `json:"created"`
+	Updated time.Time `json:"updated"`
+	// Options are its sandboxes' options (limits, network...), as JSON of
+	// the caller's choosing, reused at each resume.
+	Options json.RawMessage `json:"options,omitempty"`
+}
 
 // Options configure Open.
 type Options struct {
@@ -165,7 +191,10 @@ func (s *Store) open() (*bolt.DB, error) {
 		if _, err := tx.CreateBucketIfNotExists(bucketSandboxes); err != nil {
 			return err
 		}
-		_, err := tx.CreateBucketIfNotExists(bucketBatches)
+		if _, err := tx.CreateBucketIfNotExists(bucketBatches); err != nil {
+			return err
+		}
+		_, err := tx.CreateBucketIfNotExists(bucketWorkspaces)
 		return err
 	})
 	if err != nil {
@@ -387,4 +416,80 @@ func (s *Store) Batches() (map[string]*Batch, error) {
 		})
 	})
 	return out, err
+}
+
+// PutWorkspace stores w; with create set it fails with AlreadyExists when
+// the name is taken.
+func (s *Store) PutWorkspace(w *Workspace, create bool) error {
+	v, err := json.Marshal(w)
+	if err != nil {
+		return err
+	}
+	return s.withTx(true, func(tx *bolt.Tx) error {
+		b := tx.Bucket(bucketWorkspaces)
+		if create && b.Get([]byte(w.Name)) != nil {
+			return errdefs.AlreadyExists("workspace %q already exists", w.Name)
+		}
+		return b.Put([]byte(w.Name), v)
+	})
+}
+
+// UpdateWorkspace applies fn to workspace name inside one transaction.
+func (s *Store) UpdateWorkspace(name string, fn func(*Workspace) error) (*Workspace, error) {
+	var w *Workspace
+	err := s.withTx(true, func(tx *bolt.Tx) error {
+		b := tx.Bucket(bucketWorkspaces)
+		v := b.Get([]byte(name))
+		if v == nil {
+			return errdefs.NotFound("workspace %q not found", name)
+		}
+		w = new(Workspace)
+		if err := json.Unmarshal(v, w); err != nil {
+			return err
+		}
+		if err := fn(w); err != nil {
+			return err
+		}
+		nv, err := json.Marshal(w)
+		if err != nil {
+			return err
+		}
+		return b.Put([]byte(name), nv)
+	})
+	return w, err
+}
+
+// GetWorkspace returns workspace name.
+func (s *Store) GetWorkspace(name string) (*Workspace, error) {
+	var w *Workspace
+	err := s.withTx(false, func(tx *bolt.Tx) error {
+		v := tx.Bucket(bucketWorkspaces).Get([]byte(name))
+		if v == nil {
+			return errdefs.NotFound("workspace %q not found", name)
+		}
+		w = new(Workspace)
+		return json.Unmarshal(v, w)
+	})
+	return w, err
+}
+
+// Workspaces returns every workspace, by name.
+func (s *Store) Workspaces() ([]*Workspace, error) {
+	var out []*Workspace
+	err := s.withTx(false, func(tx *bolt.Tx) error {
+		return tx.Bucket(bucketWorkspaces).ForEach(func(k, v []byte) error {
+			w := new(Workspace)
+			if err := json.Unmarshal(v, w); err != nil {
+				return fmt.Errorf("workspace %q: %w", k, err)
+			}
+			out = append(out, w)
+			return nil
+		})
+	})
+	return out, err
+}
+
+// DeleteWorkspace removes workspace name's record.
+func (s *Store) DeleteWorkspace(name string) error {
+	return s.withTx(true, func(tx *bolt.Tx) error { return tx.Bucket(bucketWorkspaces).Delete([]byte(name)) })
 }

@@ -105,6 +105,99 @@ type Parked interface {
 	Discard(ctx context.Context) error
 }
 
+// DeviceSaver is implemented by machines that can save their device state
+// without their RAM: with it a caller branches a running child into a new
+// snapshot, capturing the guest's RAM itself (Memory gives the mapping; the
+// pages the child wrote are its private pages in /proc/PID/pagemap).
+type DeviceSaver interface {
+	// SaveDevices writes the machine's device state, and nothing of its
+	// RAM, to spec.StateFile, atomically (it is complete or absent). The
+	// machine must be paused (FailedPrecondition otherwise) and stays
+	// paused; guest RAM is neither read nor written, so a caller may copy
+	// it before or after, as long as the machine is not resumed in
+	// between. Backend.Restore (and Parked.Restore) given this StateFile,
+	// a MemoryFile holding the guest's RAM as it is while paused, and the
+	// Config of the snapshot named in spec.BaseState restores the machine
+	// as it was at the pause. A malformed BaseState is InvalidArgument, a
+	// missing one NotFound. Other calls on the machine wait while it runs.
+	SaveDevices(ctx context.Context, spec DeviceSaveSpec) error
+}
+
+// DeviceSaveSpec says what SaveDevices writes and what it builds on.
+type DeviceSaveSpec struct {
+	// StateFile is written atomically (temporary file in its directory,
+	// fsync, rename).
+	StateFile string
+	// BaseState is the state file of the snapshot the machine was
+	// restored from, or of any snapshot of its lineage (all share one
+	// machine identity). It is only read: a backend may reuse parts of it
+	// that do not change while a machine runs (QEMU: its configuration and
+	// firmware ROM contents).
+	BaseState string
+}
+
+// LiveSaver is implemented by machines that can be saved whole, RAM
+// included, while the guest keeps running: the backend copies RAM in
+// rounds while tracking the pages the guest dirties, then pauses the guest
+// only to copy the last ones and the device state.
+type LiveSaver interface {
+	// SaveLive saves the running machine: every page of guest RAM goes to
+	// spec.Page, the device state to spec.StateFile (atomically). A memory
+	// file holding every page as last delivered, with spec.StateFile and
+	// the machine's Handle().Config, restores the machine as it was at the
+	// end of the save (Backend.Restore). The machine must be running
+	// (FailedPrecondition otherwise) with RAM of its own: a booted parent,
+	// whose RAM is its memory file, is FailedPrecondition too (Pause and
+	// SaveState it instead).
+	//
+	// Whatever the outcome, the machine is running when SaveLive returns,
+	// spec.Page is no longer called, and on error spec.StateFile is
+	// untouched. An error from spec.Page ends the save with that error.
+	// Past spec.Timeout (or when ctx ends) the save is abandoned: class
+	// DeadlineExceeded (or ctx's error). Other control calls on the
+	// machine (Pause, Resume, SaveState) wait while it runs; the guest
+	// agent stays reachable.
+	SaveLive(ctx context.Context, spec LiveSaveSpec) (LiveStats, error)
+}
+
+// LiveSaveSpec says where SaveLive puts the machine and how long it may
+// pause it.
+type LiveSaveSpec struct {
+	// StateFile receives the device state.
+	StateFile string
+	// Page receives guest RAM: the page at byte offset guestOffset of the
+	// memory file (a multiple of 4096), data its 4096 bytes, or nil for a
+	// page of zeros. Every page comes at least once; one the guest
+	// rewrote comes again, and the last call for an offset wins. Calls
+	// come one at a time, never concurrently, and all before SaveLive
+	// returns; data is only valid during the call.
+	Page func(guestOffset uint64, data []byte) error
+	// MaxDowntime is the longest the guest should be paused for the final
+	// copy (default 50 ms). It is a target: a guest that dirties memory
+	// faster than it can be copied is slowed down, and past three
+	// quarters of Timeout the rest is copied in one longer pause.
+	MaxDowntime time.Duration
+	// Timeout bounds the whole save (default 2 minutes).
+	Timeout time.Duration
+}
+
+// LiveStats describe a finished live save.
+type LiveStats struct {
+	// Downtime is how long the guest was paused: the final copy plus the
+	// time until it was resumed.
+	Downtime time.Duration
+	// Total is the time from the start of the copy to its end.
+	Total time.Duration
+	// Transferred is how many bytes of RAM were copied, repeats included.
+	Transferred int64
+	// Pages is how many pages went to LiveSaveSpec.Page, repeats included.
+	Pages int64
+	// Resent is how many of those a final check of the paused guest's
+	// RAM sent again because the VMM's dirty tracking had missed their
+	// last change (QEMU before 9.0 under TCG).
+	Resent int64
+}
+
 // Capabilities lists optional behaviour of a backend.
 type Capabilities struct {
 	// BootMemoryInFile: a booted machine's RAM is a shared mapping of

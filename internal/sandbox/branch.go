@@ -1,0 +1,394 @@
+package sandbox
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"strings"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/memimage"
+	"github.com/forkd/forkd/internal/snapshot"
+	"github.com/forkd/forkd/internal/state"
+	"github.com/forkd/forkd/internal/vmm"
+)
+
+// Branch modes (BranchSpec.Mode): what the user gets.
+const (
+	// BranchFull is a self-contained snapshot: no parent.
+	BranchFull = "full"
+	// BranchDiff is a layer of the pages that differ from the snapshot the
+	// source came from, pinned to it by content hash; the source's pause
+	// grows with the pages it wrote, not with its RAM.
+	BranchDiff = "diff"
+	// BranchLive pauses the source only to switch over: pages are copied
+	// while it runs; the snapshot is its state at the switch-over.
+	BranchLive = "live"
+)
+
+// DefaultMaxBranches bounds the branches being taken at once.
+const DefaultMaxBranches = 2
+
+// ValidateBranchMode checks a branch mode ("" is diff).
+func ValidateBranchMode(mode string) error {
+	switch mode {
+	case "", BranchFull, BranchDiff, BranchLive:
+		return nil
+	}
+	return errdefs.InvalidArgument("branch mode %q: want full, diff or live", mode)
+}
+
+// BranchSpec describes a branch of a running sandbox.
+type BranchSpec struct {
+	// ID is the source sandbox.
+	ID string
+	// Tag names the new snapshot; "" makes one up (branch-<id>-<time>).
+	Tag string
+	// Mode is BranchFull, BranchDiff (the default) or BranchLive.
+	Mode string
+	// Ephemeral makes the snapshot belong to its children: it is removed
+	// once the last of them is gone (fork --from).
+	Ephemeral bool
+}
+
+// BranchTag returns the tag Branch would make up for sandbox id now.
+func BranchTag(id string) string {
+	return fmt.Sprintf("branch-%s-%d", strings.TrimPrefix(id, "sb-"), time.Now().UnixMilli())
+}
+
+// Branch snapshots the running sandbox spec.ID into a new snapshot that
+// more children can be forked from: all its guest RAM, its vCPU and
+// device state (and, for a sandbox with a disk layer, that layer, copy on
+// write). The source keeps running, its id and deadline unchanged; what it
+// does after the branch never reaches the branch. A sandbox that is
+// starting, dead, unresponsive, or being killed or branched is refused
+// (FailedPrecondition); more than Config.MaxBranches at once are refused
+// with ResourceExhausted. The new snapshot is written under its tag with
+// status writing; a crash leaves it failed (snapshot.Store.Reclaim), never
+// ready with wrong contents.
+func (e *Engine) Branch(ctx context.Context, spec BranchSpec) (*snapshot.Snapshot, error) {
+	start := time.Now()
+	if err := ValidateID(spec.ID); err != nil {
+		return nil, err
+	}
+	if err := ValidateBranchMode(spec.Mode); err != nil {
+		return nil, err
+	}
+	if spec.Mode == "" {
+		spec.Mode = BranchDiff
+	}
+	if spec.Tag == "" {
+		spec.Tag = BranchTag(spec.ID)
+	}
+	if err := snapshot.ValidateTag(spec.Tag); err != nil {
+		return nil, err
+	}
+	if _, err := e.snaps.Get(spec.Tag); err == nil {
+		return nil, errdefs.AlreadyExists("snapshot %q already exists", spec.Tag)
+	} else if !errdefs.IsNotFound(err) {
+		return nil, err
+	}
+	select {
+	case e.branches <- struct{}{}:
+		defer func() { <-e.branches }()
+	default:
+		return nil, errdefs.ResourceExhausted("%d branches are being taken (at most %d at once); retry shortly", cap(e.branches), cap(e.branches))
+	}
+	// The source is held against kills and other branches while it is
+	// captured; a kill waits for the capture (never a half snapshot).
+	unlock, ok := e.ends.tryLock(spec.ID)
+	if !ok {
+		return nil, errdefs.FailedPrecondition("sandbox %s is being killed or branched; retry once that is done", spec.ID)
+	}
+	held := true
+	release := func() {
+		if held {
+			held = false
+			unlock()
+		}
+	}
+	defer release()
+	sb, err := e.Get(ctx, spec.ID)
+	if err != nil {
+		return nil, err
+	}
+	if sb.Status != state.StatusRunning {
+		return nil, errdefs.FailedPrecondition("sandbox %s is %s: only a running sandbox can be branched", spec.ID, sb.Status)
+	}
+	src, err := e.snaps.Get(sb.Snapshot)
+	if err != nil {
+		return nil, fmt.Errorf("the snapshot of sandbox %s: %w", spec.ID, err)
+	}
+	depth := 0
+	if spec.Mode != BranchFull {
+		depth = 1
+		if src.Branch != nil && src.Parent != "" {
+			depth = src.Branch.Depth + 1
+		}
+		if depth > snapshot.MaxDepth {
+			return nil, errdefs.FailedPrecondition("sandbox %s: a %s branch would make a chain of depth %d (at most %d); branch it in full mode, or compact %s first",
+				spec.ID, spec.Mode, depth, snapshot.MaxDepth, src.Tag)
+		}
+	}
+	m, err := e.cfg.Backend.Attach(ctx, sb.Handle)
+	if err != nil {
+		return nil, err
+	}
+	md := branchMetadata(src, sb, spec, depth)
+	w, err := e.snaps.CreateBranch(spec.Tag, md)
+	if err != nil {
+		return nil, err
+	}
+	defer func() { _ = w.Abort() }() // no-op after Commit; the branch failed otherwise
+	got, err := e.capture(ctx, m, src, spec.Mode, w)
+	if err != nil {
+		return nil, fmt.Errorf("branch %s of %s: %w", spec.Tag, spec.ID, err)
+	}
+	release() // the source is free: what follows reads snapshot files only
+	if err := memimage.Materialize(src.MemoryPath(), w.LayerPath(), w.MemoryPath()); err != nil {
+		return nil, fmt.Errorf("branch %s: materialise its memory: %w", spec.Tag, err)
+	}
+	if md.ContentHash, err = branchHash(src.ContentHash, w.StatePath(), w.LayerPath()); err != nil {
+		return nil, err
+	}
+	if spec.Mode == BranchFull {
+		// Stands alone: no layer, no parent.
+		if err := os.Remove(w.LayerPath()); err != nil {
+			return nil, err
+		}
+	}
+	md.Branch.PauseMS, md.Branch.DirtyBytes = got.pauseMS, got.dirty
+	md.Branch.TotalMS = msSince(start)
+	snap, err := w.Commit(md)
+	if err != nil {
+		return nil, err
+	}
+	e.log.Info("sandbox branched", "sandbox", spec.ID, "snapshot", spec.Tag, "mode", spec.Mode,
+		"pause_ms", got.pauseMS, "dirty_mib", got.dirty>>20, "total_ms", md.Branch.TotalMS)
+	return snap, nil
+}
+
+// branchMetadata is a branch's metadata: the machine of its source's
+// snapshot (a branch restores like it), its own identity and chain.
+func branchMetadata(src *snapshot.Snapshot, sb *state.Sandbox, spec BranchSpec, depth int) snapshot.Metadata {
+	md := src.Metadata
+	md.Tag, md.Status, md.Error = spec.Tag, snapshot.StatusWriting, ""
+	md.Created = time.Time{}
+	md.MemoryBytes, md.StateBytes, md.ContentHash = 0, 0, ""
+	md.Kind = snapshot.KindBranch
+	md.Ephemeral = spec.Ephemeral
+	md.Writer = starter()
+	md.Warmup = nil
+	md.Parent, md.ParentHash = "", ""
+	if spec.Mode != BranchFull {
+		md.Parent, md.ParentHash = src.Tag, src.ContentHash
+	}
+	md.Branch = &snapshot.BranchInfo{Mode: spec.Mode, Source: sb.ID, Depth: depth}
+	return md
+}
+
+// captured is what a capture measured.
+type captured struct {
+	pauseMS float64
+	dirty   int64
+}
+
+// capture writes the source's device state to w's state file and the
+// pages that differ from src's memory to w's layer file (holes elsewhere).
+// Whatever happens, the source is running when it returns.
+func (e *Engine) capture(ctx context.Context, m vmm.Machine, src *snapshot.Snapshot, mode string, w *snapshot.Writer) (captured, error) {
+	layer, err := os.OpenFile(w.LayerPath(), os.O_CREATE|os.O_RDWR|os.O_TRUNC, 0o600)
+	if err != nil {
+		return captured{}, err
+	}
+	defer layer.Close()
+	if err := layer.Truncate(int64(src.MemoryMiB) << 20); err != nil {
+		return captured{}, err
+	}
+	if mode == BranchLive {
+		return captureLive(ctx, m, src, w, layer)
+	}
+	saver, ok := m.(vmm.DeviceSaver)
+	if !ok {
+		return captured{}, errdefs.NotImplemented("backend %s cannot branch a running machine", e.cfg.Backend.Name())
+	}
+	mm, err := m.Memory(ctx)
+	if err != nil {
+		return captured{}, err
+	}
+	// Copy what is private already while the guest runs, so that the
+	// pause mostly rewrites pages in place.
+	pre, err := memimage.Private(mm)
+	if err != nil {
+		return captured{}, err
+	}
+	if _, err := memimage.Copy(mm, pre, layer); err != nil {
+		return captured{}, err
+	}
+	t0 := time.Now()
+	if err := m.Pause(ctx); err != nil {
+		return captured{}, fmt.Errorf("pause: %w", err)
+	}
+	var pages memimage.Pages
+	err = saver.SaveDevices(ctx, vmm.DeviceSaveSpec{BaseState: src.StatePath(), StateFile: w.StatePath()})
+	if err == nil {
+		pages, err = memimage.Private(mm)
+	}
+	if err == nil {
+		_, err = memimage.Copy(mm, pages, layer)
+	}
+	rerr := m.Resume(context.WithoutCancel(ctx))
+	pause := msSince(t0)
+	if err = errors.Join(err, rerr); err != nil {
+		return captured{}, err
+	}
+	return captured{pauseMS: pause, dirty: pages.Bytes()}, layer.Sync()
+}
+
+// captureLive is capture by the backend's live save: each page it sends
+// that differs from src's memory goes to the layer; one that equals it
+// leaves (or makes again) a hole.
+func captureLive(ctx context.Context, m vmm.Machine, src *snapshot.Snapshot, w *snapshot.Writer, layer *os.File) (captured, error) {
+	saver, ok := m.(vmm.LiveSaver)
+	if !ok {
+		return captured{}, errdefs.NotImplemented("this backend cannot branch a running machine live")
+	}
+	base, err := os.Open(src.MemoryPath())
+	if err != nil {
+		return captured{}, err
+	}
+	defer base.Close()
+	written := map[uint64]bool{}
+	buf := make([]byte, pageSize)
+	zero := make([]byte, pageSize)
+	stats, err := saver.SaveLive(ctx, vmm.LiveSaveSpec{
+		StateFile: w.StatePath(),
+		Page: func(off uint64, data []byte) error {
+			if data == nil {
+				data = zero
+			}
+			if _, err := base.ReadAt(buf, int64(off)); err != nil && !errors.Is(err, io.EOF) {
+				return err
+			}
+			if string(buf) == string(data) {
+				if written[off] {
+					delete(written, off)
+					return unix.Fallocate(int(layer.Fd()), unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE, int64(off), pageSize)
+				}
+				return nil
+			}
+			written[off] = true
+			_, err := layer.WriteAt(data, int64(off))
+			return err
+		},
+	})
+	if err != nil {
+		return captured{}, err
+	}
+	return captured{pauseMS: float64(stats.Downtime.Microseconds()) / 1000, dirty: int64(len(written)) * pageSize}, layer.Sync()
+}
+
+// pageSize is the guest page size.
+const pageSize = 4096
+
+// branchHash is a branch's content hash: its parent's, its device state's
+// and its layer's data, without reading the holes of the layer.
+func branchHash(parentHash, statePath, layerPath string) (string, error) {
+	h := sha256.New()
+	fmt.Fprintf(h, "forkd-branch-v1\nparent %s\n", parentHash)
+	for _, p := range []string{statePath, layerPath} {
+		sum, err := memimage.DataHash(p)
+		if err != nil {
+			return "", err
+		}
+		h.Write(sum)
+	}
+	return hex.EncodeToString(h.Sum(nil)), nil
+}
+
+// ForkFrom branches the running sandbox id into a snapshot of its own
+// (mode, "" for diff) and forks spec.N children of it: children of the
+// source's current state. The snapshot belongs to them: it is removed once
+// the last of them is gone (and at once if none came up). spec.Tag is
+// ignored.
+func (e *Engine) ForkFrom(ctx context.Context, id, mode string, spec ForkSpec) (*ForkResult, error) {
+	snap, err := e.Branch(ctx, BranchSpec{ID: id, Mode: mode, Ephemeral: true})
+	if err != nil {
+		return nil, err
+	}
+	spec.Tag = snap.Tag
+	res, err := e.Fork(ctx, spec)
+	if res == nil || len(res.Children) == 0 {
+		e.dropEphemeral(snap.Tag)
+	}
+	return res, err
+}
+
+// dropEphemeral removes snapshot tag if it belongs to its children
+// (Ephemeral) and none of them is left. Called when a sandbox ends.
+func (e *Engine) dropEphemeral(tag string) {
+	snap, err := e.snaps.Get(tag)
+	if err != nil || !snap.Ephemeral {
+		return
+	}
+	if users, err := e.Users(tag); err != nil || len(users) > 0 {
+		return
+	}
+	if deps, err := e.snaps.Dependents(tag); err != nil || len(deps) > 0 {
+		return // branched again: kept for its dependents
+	}
+	if err := e.RemoveSnapshot(tag); err != nil && !errdefs.IsNotFound(err) && !errdefs.IsFailedPrecondition(err) {
+		e.log.Warn("remove ephemeral snapshot", "snapshot", tag, "err", err)
+	}
+}
+
+// Compact makes snapshot to, standing alone (no parent), from snapshot
+// from: the same machine, memory and state, so that its children and
+// branches need nothing of from's chain. from is left as it is.
+func (e *Engine) Compact(ctx context.Context, from, to string) (*snapshot.Snapshot, error) {
+	if err := snapshot.ValidateTag(from); err != nil {
+		return nil, err
+	}
+	if err := snapshot.ValidateTag(to); err != nil {
+		return nil, err
+	}
+	src, ref, err := e.snaps.Acquire(from)
+	if err != nil {
+		return nil, err
+	}
+	defer ref.Close() // from cannot be removed while it is copied
+	md := src.Metadata
+	md.Tag, md.Created = to, time.Time{}
+	md.MemoryBytes, md.StateBytes = 0, 0
+	md.Parent, md.ParentHash, md.Ephemeral = "", "", false
+	if md.Branch != nil {
+		b := *md.Branch
+		b.Mode, b.Depth = BranchFull, 0
+		md.Branch = &b
+	}
+	w, err := e.snaps.CreateBranch(to, md)
+	if err != nil {
+		return nil, err
+	}
+	defer func() { _ = w.Abort() }()
+	if err := memimage.SparseCopy(src.MemoryPath(), w.MemoryPath()); err != nil {
+		return nil, fmt.Errorf("compact %s: memory: %w", from, err)
+	}
+	if err := memimage.SparseCopy(src.StatePath(), w.StatePath()); err != nil {
+		return nil, fmt.Errorf("compact %s: state: %w", from, err)
+	}
+	h := sha256.Sum256([]byte("forkd-compact-v1\n" + src.ContentHash))
+	md.ContentHash = hex.EncodeToString(h[:])
+	md.Writer = nil
+	if md.Kind == "" {
+		md.Kind = snapshot.KindBoot
+	}
+	return w.Commit(md)
+}

@@ -591,3 +591,36 @@ type Workspace struct {
 type WorkspaceList struct {
 	Workspaces []Workspace `json:"workspaces"`
 }
+
+// StartProcessRequest is the body of POST /v1/sandboxes/{id}/processes:
+// a process run in the background. Stdin, when set, is its whole input;
+// with StdinOpen instead its stdin stays open for POST .../stdin.
+type StartProcessRequest struct {
+	ExecRequest
+	StdinOpen bool   `json:"stdin_open,omitempty"`
+	Tag       string `json:"tag,omitempty"` // a label, listed with it
+}
+
+// Process is a background process of a sandbox. Result is set once it
+// has ended (Running false).
+type Process struct {
+	PID       int         `json:"pid"`
+	Tag       string      `json:"tag,omitempty"`
+	Args      []string    `json:"args"`
+	Cwd       string      `json:"cwd,omitempty"`
+	StartedAt time.Time   `json:"started_at,omitzero"`
+	Running   bool        `json:"running"`
+	Result    *ExecResult `json:"result,omitempty"`
+}
+
+// ProcessList answers GET /v1/sandboxes/{id}/processes: the background
+// processes, running and recently ended.
+type ProcessList struct {
+	Processes []Process `json:"processes"`
+}
+
+// SignalRequest is the body of POST .../processes/{pid}/signal: a signal
+// by name ("SIGTERM", "TERM") or number, sent to the process's group.
+type SignalRequest struct {
+	Signal string `json:"signal"`
+}

@@ -34,6 +34,9 @@ type ExecRequest struct {
 	Timeout time.Duration
 	// Background returns as soon as the process started (Running, PID).
 	Background bool
+	// StdinOpen, for a background process without Stdin, keeps its stdin
+	// open for SendStdin and CloseStdin.
+	StdinOpen bool
 	// Tag labels a background process in Processes.
 	Tag string
 }
@@ -54,7 +57,7 @@ func (c *Client) Exec(ctx context.Context, req ExecRequest) (*proto.ExecResult, 
 	defer cancel()
 	wire := proto.ExecRequest{
 		Args: req.Args, Shell: req.Shell, Env: req.Env, Dir: req.Dir, User: req.User,
-		Stdin: req.Stdin != nil, Timeout: req.Timeout, Background: req.Background, Tag: req.Tag,
+		Stdin: req.Stdin != nil || (req.StdinOpen && req.Background), Timeout: req.Timeout, Background: req.Background, Tag: req.Tag,
 	}
 	cl, err := c.start(ctx, proto.OpExec, wire)
 	if err != nil {

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"io"
 	"os"
 	"path/filepath"
 	"strings"
@@ -170,6 +171,54 @@ func TestServerVM(t *testing.T) {
 			t.Errorf("exec after delete: %v", err)
 		}
 		assertNoLeak(t, d)
+	})
+
+	t.Run("processes", func(t *testing.T) {
+		res, err := c.CreateSandboxes(ctx, apiv1.CreateSandboxesRequest{SnapshotTag: "base"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		id := res.Sandboxes[0].ID
+		defer func() { _ = c.DeleteSandbox(ctx, id) }()
+		// A background cat fed through stdin, attached, waited for.
+		p, err := c.StartProcess(ctx, id, apiv1.StartProcessRequest{ExecRequest: apiv1.ExecRequest{Args: []string{"cat"}}, StdinOpen: true, Tag: "echo"})
+		if err != nil || p.PID <= 0 || !p.Running || p.Tag != "echo" {
+			t.Fatalf("start: %+v %v", p, err)
+		}
+		if list, err := c.ListProcesses(ctx, id); err != nil || len(list) == 0 || list[len(list)-1].PID != p.PID {
+			t.Fatalf("list: %+v %v", list, err)
+		}
+		if err := c.SendStdin(ctx, id, p.PID, []byte("hello "), false); err != nil {
+			t.Fatal(err)
+		}
+		if err := c.SendStdin(ctx, id, p.PID, []byte("world\n"), true); err != nil {
+			t.Fatal(err)
+		}
+		var out strings.Builder
+		r, err := c.StreamProcess(ctx, id, p.PID, &out, io.Discard)
+		if err != nil || r.ExitCode != 0 || out.String() != "hello world\n" {
+			t.Fatalf("stream: %q %+v %v", out.String(), r, err)
+		}
+		if r, err := c.WaitProcess(ctx, id, p.PID); err != nil || r.ExitCode != 0 {
+			t.Fatalf("wait: %+v %v", r, err)
+		}
+		// A signal ends one; a kill another.
+		sl, err := c.StartProcess(ctx, id, apiv1.StartProcessRequest{ExecRequest: apiv1.ExecRequest{Shell: "sleep 600"}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := c.SignalProcess(ctx, id, sl.PID, "TERM"); err != nil {
+			t.Fatal(err)
+		}
+		if r, err := c.WaitProcess(ctx, id, sl.PID); err != nil || r.Signal != "SIGTERM" {
+			t.Fatalf("after TERM: %+v %v", r, err)
+		}
+		if err := c.SignalProcess(ctx, id, sl.PID, "NOPE"); !errdefs.IsInvalidArgument(err) {
+			t.Fatalf("a bad signal: %v", err)
+		}
+		if err := c.KillProcess(ctx, id, 999999); !errdefs.IsNotFound(err) && !errdefs.IsInvalidArgument(err) {
+			t.Fatalf("kill of no process: %v", err)
+		}
 	})
 
 	t.Run("network", func(t *testing.T) {

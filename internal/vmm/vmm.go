@@ -119,7 +119,9 @@ type DeviceSaver interface {
 	// a MemoryFile holding the guest's RAM as it is while paused, and the
 	// Config of the snapshot named in spec.BaseState restores the machine
 	// as it was at the pause. A malformed BaseState is InvalidArgument, a
-	// missing one NotFound. Other calls on the machine wait while it runs.
+	// missing one NotFound. Other control calls on the machine wait while
+	// it runs. As for SaveState, close agent connections first: the
+	// device state records whether the agent channel is connected.
 	SaveDevices(ctx context.Context, spec DeviceSaveSpec) error
 }
 
@@ -155,8 +157,9 @@ type LiveSaver interface {
 	// untouched. An error from spec.Page ends the save with that error.
 	// Past spec.Timeout (or when ctx ends) the save is abandoned: class
 	// DeadlineExceeded (or ctx's error). Other control calls on the
-	// machine (Pause, Resume, SaveState) wait while it runs; the guest
-	// agent stays reachable.
+	// machine (Pause, Resume, SaveState) wait while it runs, and may time
+	// out; the guest agent stays reachable, but as for SaveDevices its
+	// connections are best closed first.
 	SaveLive(ctx context.Context, spec LiveSaveSpec) (LiveStats, error)
 }
 
@@ -183,8 +186,8 @@ type LiveSaveSpec struct {
 
 // LiveStats describe a finished live save.
 type LiveStats struct {
-	// Downtime is how long the guest was paused: the final copy plus the
-	// time until it was resumed.
+	// Downtime is how long the guest was paused: the final copy, any
+	// check of it, and the time until the guest was resumed.
 	Downtime time.Duration
 	// Total is the time from the start of the copy to its end.
 	Total time.Duration
@@ -194,7 +197,7 @@ type LiveStats struct {
 	Pages int64
 	// Resent is how many of those a final check of the paused guest's
 	// RAM sent again because the VMM's dirty tracking had missed their
-	// last change (QEMU before 9.0 under TCG).
+	// last change (QEMU 7.2 under TCG).
 	Resent int64
 }
 

@@ -57,10 +57,11 @@ type Backend struct {
 }
 
 var (
-	_ vmm.Backend = (*Backend)(nil)
-	_ vmm.Parker  = (*Backend)(nil)
-	_ vmm.Machine = (*Machine)(nil)
-	_ vmm.Parked  = (*parked)(nil)
+	_ vmm.Backend     = (*Backend)(nil)
+	_ vmm.Parker      = (*Backend)(nil)
+	_ vmm.Machine     = (*Machine)(nil)
+	_ vmm.DeviceSaver = (*Machine)(nil)
+	_ vmm.Parked      = (*parked)(nil)
 )
 
 // New returns a QEMU backend. It resolves the binary and accelerator now so

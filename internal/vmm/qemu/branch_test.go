@@ -35,15 +35,18 @@ type branchEnv struct {
 	n    int
 }
 
-// TestBranch branches running children of a real snapshot (SaveDevices +
-// their private pages), restores children of the branches and checks they
-// carry the branched guest's files and keep running.
+// TestBranch branches running children of a real snapshot, paused
+// (SaveDevices + their private pages) and live (SaveLive), restores
+// children of the branches and checks they carry the branched guest's
+// files and keep running.
 func TestBranch(t *testing.T) {
 	e := &branchEnv{be: testvm.Backend(t), dir: t.TempDir()}
 	img := testvm.Image(t, "minimal")
 	e.root = e.snapshot(t, img)
 	rootSum := testutil.FileSHA256(t, e.root.MemoryFile)
 	t.Run("SaveDevices", e.saveDevices)
+	t.Run("SaveLiveFailures", e.saveLiveFailures)
+	t.Run("SaveLive", e.saveLive)
 	if got := testutil.FileSHA256(t, e.root.MemoryFile); got != rootSum {
 		t.Fatal("the parent snapshot's memory file changed")
 	}
@@ -60,7 +63,8 @@ func (e *branchEnv) name() string {
 	return fmt.Sprintf("br%d-%d", os.Getpid(), e.n)
 }
 
-// snapshot boots the parent and saves it.
+// snapshot boots the parent and saves it. A booted machine cannot be
+// saved live: its RAM is the memory file.
 func (e *branchEnv) snapshot(t *testing.T, img *image.Image) vmm.RestoreSpec {
 	t.Helper()
 	ctx := testCtx(t, 5*time.Minute)
@@ -86,6 +90,13 @@ func (e *branchEnv) snapshot(t *testing.T, img *image.Image) vmm.RestoreSpec {
 		t.Fatalf("parent agent: %v\nconsole:\n%s", err, b)
 	}
 	c.Close()
+	_, err = m.(vmm.LiveSaver).SaveLive(ctx, vmm.LiveSaveSpec{
+		StateFile: filepath.Join(e.dir, "never.state"),
+		Page:      func(uint64, []byte) error { return nil },
+	})
+	if !errdefs.IsFailedPrecondition(err) {
+		t.Errorf("SaveLive of a booted machine = %v, want FailedPrecondition", err)
+	}
 	if err := m.Pause(ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -282,6 +293,126 @@ func (e *branchEnv) saveDevices(t *testing.T) {
 		t.Fatal(err)
 	}
 	e.checkBranch(t, vmm.RestoreSpec{Config: e.root.Config, MemoryFile: mem3, StateFile: out3}, want3)
+}
+
+func (e *branchEnv) saveLive(t *testing.T) {
+	m, c := e.child(t, e.root)
+	want := writeState(t, c, "live-branch-"+e.name(), true)
+	c.Close()
+	ctx := testCtx(t, 5*time.Minute)
+	mem := filepath.Join(e.dir, "live.mem")
+	sparseCopy(t, e.root.MemoryFile, mem)
+	f, err := os.OpenFile(mem, os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	fi, err := f.Stat()
+	if err != nil {
+		t.Fatal(err)
+	}
+	seen := make([]bool, fi.Size()/4096)
+	page := func(off uint64, data []byte) error {
+		if off%4096 != 0 || off/4096 >= uint64(len(seen)) {
+			return fmt.Errorf("page offset %#x out of range", off)
+		}
+		seen[off/4096] = true
+		if data == nil {
+			return unix.Fallocate(int(f.Fd()), unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE, int64(off), 4096)
+		}
+		_, err := f.WriteAt(data, int64(off))
+		return err
+	}
+	out := filepath.Join(e.dir, "live.state")
+	start := time.Now()
+	st, err := m.(vmm.LiveSaver).SaveLive(ctx, vmm.LiveSaveSpec{StateFile: out, Page: page})
+	if err != nil {
+		t.Fatalf("SaveLive: %v", err)
+	}
+	t.Logf("live branch of a guest rewriting 8 MiB in a loop: downtime %v, total %v (call %v), %d MiB transferred, %d pages, %d resent by the final check",
+		st.Downtime, st.Total, time.Since(start), st.Transferred>>20, st.Pages, st.Resent)
+	for i, ok := range seen {
+		if !ok {
+			t.Fatalf("page %d of guest RAM never delivered", i)
+		}
+	}
+	if st.Pages < int64(len(seen)) || st.Transferred <= 0 || st.Total <= 0 || st.Downtime <= 0 {
+		t.Errorf("stats %+v for %d pages", st, len(seen))
+	}
+	if err := f.Sync(); err != nil {
+		t.Fatal(err)
+	}
+	c2, err := sandbox.DialAgent(ctx, m, agent.Options{})
+	if err != nil {
+		t.Fatalf("agent after SaveLive: %v", err)
+	}
+	defer c2.Close()
+	counter(t, c2) // the source runs on
+	e.checkBranch(t, vmm.RestoreSpec{Config: e.root.Config, MemoryFile: mem, StateFile: out}, want)
+}
+
+// saveLiveFailures checks that a live save that fails leaves the machine
+// running and no state file.
+func (e *branchEnv) saveLiveFailures(t *testing.T) {
+	m, c := e.child(t, e.root)
+	defer c.Close()
+	ls := m.(vmm.LiveSaver)
+	out := filepath.Join(e.dir, "failed.state")
+	ctx := testCtx(t, 5*time.Minute)
+	running := func(what string) {
+		t.Helper()
+		if _, err := os.Stat(out); !errors.Is(err, os.ErrNotExist) {
+			t.Fatalf("%s: state file left (%v)", what, err)
+		}
+		counter(t, c)
+	}
+	writeState(t, c, "failures", false)
+
+	boom := errors.New("boom")
+	n := 0
+	_, err := ls.SaveLive(ctx, vmm.LiveSaveSpec{StateFile: out, Page: func(uint64, []byte) error {
+		if n++; n > 2000 {
+			return boom
+		}
+		return nil
+	}})
+	if !errors.Is(err, boom) {
+		t.Fatalf("SaveLive with a failing sink = %v, want boom", err)
+	}
+	running("failing sink")
+
+	cctx, cancel := context.WithCancel(ctx)
+	n = 0
+	_, err = ls.SaveLive(cctx, vmm.LiveSaveSpec{StateFile: out, Page: func(uint64, []byte) error {
+		if n++; n == 2000 {
+			cancel()
+		}
+		return nil
+	}})
+	cancel()
+	if !errors.Is(err, context.Canceled) {
+		t.Fatalf("SaveLive whose ctx ended = %v, want context.Canceled", err)
+	}
+	running("ctx ended")
+
+	_, err = ls.SaveLive(ctx, vmm.LiveSaveSpec{StateFile: out, Timeout: 300 * time.Millisecond,
+		Page: func(uint64, []byte) error { time.Sleep(50 * time.Microsecond); return nil }})
+	if !errdefs.IsDeadlineExceeded(err) {
+		t.Fatalf("SaveLive past its timeout = %v, want DeadlineExceeded", err)
+	}
+	running("timeout")
+
+	if err := m.Pause(ctx); err != nil {
+		t.Fatal(err)
+	}
+	_, err = ls.SaveLive(ctx, vmm.LiveSaveSpec{StateFile: out, Page: func(uint64, []byte) error { return nil }})
+	if !errdefs.IsFailedPrecondition(err) {
+		t.Fatalf("SaveLive of a paused machine = %v, want FailedPrecondition", err)
+	}
+	if err := m.Resume(ctx); err != nil {
+		t.Fatal(err)
+	}
+	running("paused")
 }
 
 // sparseCopy copies src to dst, leaving src's holes as holes.

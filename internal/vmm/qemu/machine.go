@@ -205,27 +205,38 @@ func (m *Machine) Memory(ctx context.Context) (vmm.MemoryMap, error) {
 		return vmm.MemoryMap{}, err
 	}
 	mm := vmm.MemoryMap{PID: m.handle.Process.PID, File: m.memoryFile}
-	f, err := os.Open(filepath.Join(proc.Root, strconv.Itoa(mm.PID), "maps"))
+	ram, err := m.ramMapping()
 	if err != nil {
 		return mm, err
+	}
+	mm.Regions = []vmm.Region{ram.Region}
+	return mm, nil
+}
+
+// ramMapping finds guest RAM in the process's memory map: the mapping of
+// the memory file, or an anonymous one of the RAM's size.
+func (m *Machine) ramMapping() (mapping, error) {
+	pid := m.handle.Process.PID
+	f, err := os.Open(filepath.Join(proc.Root, strconv.Itoa(pid), "maps"))
+	if err != nil {
+		return mapping{}, err
 	}
 	defer f.Close()
 	want := uint64(m.cfg.MemoryMiB) << 20
 	sc := bufio.NewScanner(f)
 	for sc.Scan() {
-		r, path, ok := parseMapsLine(sc.Text())
+		mp, ok := parseMapsLine(sc.Text())
 		if !ok {
 			continue
 		}
-		if (m.memoryFile != "" && path == m.memoryFile) || (m.memoryFile == "" && r.Size == want && path == "") {
-			mm.Regions = append(mm.Regions, r)
-			break
+		if (m.memoryFile != "" && mp.Path == m.memoryFile) || (m.memoryFile == "" && mp.Size == want && mp.Path == "") {
+			return mp, nil
 		}
 	}
-	if len(mm.Regions) == 0 {
-		return mm, errdefs.NotFound("guest RAM mapping not found in process %d", mm.PID)
+	if err := sc.Err(); err != nil {
+		return mapping{}, err
 	}
-	return mm, sc.Err()
+	return mapping{}, errdefs.NotFound("guest RAM mapping not found in process %d", pid)
 }
 
 // mappedMemoryFile finds the file an attached machine maps its RAM from.
@@ -236,33 +247,43 @@ func (m *Machine) mappedMemoryFile() string {
 	}
 	want := uint64(m.cfg.MemoryMiB) << 20
 	for _, line := range strings.Split(string(b), "\n") {
-		if r, path, ok := parseMapsLine(line); ok && r.Size == want && strings.HasPrefix(path, "/") {
-			return path
+		if mp, ok := parseMapsLine(line); ok && mp.Size == want && strings.HasPrefix(mp.Path, "/") {
+			return mp.Path
 		}
 	}
 	return ""
 }
 
+// mapping is one line of /proc/PID/maps.
+type mapping struct {
+	vmm.Region
+	Perms string // "rw-p": the last letter says shared (s) or private (p)
+	Path  string
+}
+
+// Shared reports whether the mapping is MAP_SHARED.
+func (mp mapping) Shared() bool { return strings.HasSuffix(mp.Perms, "s") }
+
 // parseMapsLine parses one /proc/PID/maps line.
-func parseMapsLine(line string) (vmm.Region, string, bool) {
+func parseMapsLine(line string) (mapping, bool) {
 	f := strings.Fields(line)
 	if len(f) < 5 {
-		return vmm.Region{}, "", false
+		return mapping{}, false
 	}
 	lo, hi, ok := strings.Cut(f[0], "-")
 	if !ok {
-		return vmm.Region{}, "", false
+		return mapping{}, false
 	}
 	start, err1 := strconv.ParseUint(lo, 16, 64)
 	end, err2 := strconv.ParseUint(hi, 16, 64)
 	if err1 != nil || err2 != nil || end <= start {
-		return vmm.Region{}, "", false
+		return mapping{}, false
 	}
-	path := ""
+	mp := mapping{Region: vmm.Region{HostAddr: start, Size: end - start}, Perms: f[1]}
 	if len(f) >= 6 {
-		path = strings.Join(f[5:], " ")
+		mp.Path = strings.Join(f[5:], " ")
 	}
-	return vmm.Region{HostAddr: start, Size: end - start}, path, true
+	return mp, true
 }
 
 // DialAgent implements vmm.Machine.

@@ -8,6 +8,14 @@
 // through an fd passed over QMP. Children never get a balloon, virtio-mem or
 // any RAM discard: QEMU 7.2 punches holes in the shared file even with
 // share=off, corrupting every sibling.
+//
+// A running child is branched into a new snapshot in one of two ways.
+// Paused, SaveDevices writes its device state alone (xen-save-devices-state)
+// behind the head of its snapshot's state (splice.go), while the caller
+// copies the pages the child wrote. Live, SaveLive runs QEMU's precopy
+// migration into a consumer in this process (consume.go) that passes guest
+// pages on and keeps the rest as the state. Both take QEMU 7.2's migration
+// stream apart (stream.go).
 package qemu
 
 import (
@@ -61,6 +69,7 @@ var (
 	_ vmm.Parker      = (*Backend)(nil)
 	_ vmm.Machine     = (*Machine)(nil)
 	_ vmm.DeviceSaver = (*Machine)(nil)
+	_ vmm.LiveSaver   = (*Machine)(nil)
 	_ vmm.Parked      = (*parked)(nil)
 )
 

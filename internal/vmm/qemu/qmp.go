@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"os"
 	"sync"
 	"time"
 
@@ -16,12 +17,18 @@ import (
 )
 
 // qmp is a client for one QEMU Machine Protocol connection. Commands are
-// sent one at a time (guarded by mu); asynchronous events are dropped, since
-// forkd polls state instead of relying on event delivery.
+// sent one at a time (guarded by mu). Asynchronous events go to onEvent
+// when it is set and are dropped otherwise: forkd polls state, and waits
+// for an event (awaitEvent) only to learn sooner what polling would tell.
 type qmp struct {
 	conn *net.UnixConn
-	mu   sync.Mutex // guards r, and the write/read pairing of a command
+	mu   sync.Mutex // guards r, line, and the write/read pairing of a command
 	r    *bufio.Reader
+	line []byte // a line read in part when a deadline cut the read short
+
+	// onEvent, if set, receives every event read, on the goroutine that
+	// reads it, with mu held. Set it while no command runs.
+	onEvent func(name string, data json.RawMessage)
 }
 
 type qmpError struct {
@@ -33,6 +40,7 @@ type qmpReply struct {
 	Return json.RawMessage `json:"return"`
 	Error  *qmpError       `json:"error"`
 	Event  string          `json:"event"`
+	Data   json.RawMessage `json:"data"`
 	QMP    json.RawMessage `json:"QMP"`
 }
 
@@ -78,14 +86,56 @@ func dialQMP(ctx context.Context, path string, exited func() bool) (*qmp, error)
 
 func (q *qmp) close() error { return q.conn.Close() }
 
-// read reads the next reply or event line.
+// read reads the next reply or event line. A line cut short by a read
+// deadline is kept, and completed by the next read.
 func (q *qmp) read(v *qmpReply) error {
-	line, err := q.r.ReadBytes('\n')
-	if err != nil {
-		return err
+	for {
+		chunk, err := q.r.ReadSlice('\n')
+		q.line = append(q.line, chunk...)
+		if errors.Is(err, bufio.ErrBufferFull) {
+			continue
+		}
+		if err != nil {
+			return err
+		}
+		line := q.line
+		q.line = q.line[:0]
+		*v = qmpReply{}
+		return json.Unmarshal(line, v)
 	}
-	*v = qmpReply{}
-	return json.Unmarshal(line, v)
+}
+
+// event hands an event to onEvent.
+func (q *qmp) event(rep *qmpReply) {
+	if q.onEvent != nil {
+		q.onEvent(rep.Event, rep.Data)
+	}
+}
+
+// awaitEvent reads events until one arrives (true), d has passed (false)
+// or ctx ends.
+func (q *qmp) awaitEvent(ctx context.Context, d time.Duration) (bool, error) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	dl := time.Now().Add(d)
+	if cdl, ok := ctx.Deadline(); ok && cdl.Before(dl) {
+		dl = cdl
+	}
+	_ = q.conn.SetDeadline(dl)
+	stop := context.AfterFunc(ctx, func() { _ = q.conn.SetDeadline(time.Now()) })
+	defer stop()
+	var rep qmpReply
+	if err := q.read(&rep); err != nil {
+		if ctx.Err() == nil && errors.Is(err, os.ErrDeadlineExceeded) {
+			return false, nil
+		}
+		return false, q.ioErr(ctx, "(awaiting an event)", err)
+	}
+	if rep.Event == "" {
+		return false, errdefs.Unavailable("qmp: a reply nobody asked for")
+	}
+	q.event(&rep)
+	return true, nil
 }
 
 // execute runs cmd with args and decodes its return value into out (if not
@@ -124,6 +174,7 @@ func (q *qmp) execute(ctx context.Context, cmd string, args, out any, fd int) er
 			return q.ioErr(ctx, cmd, err)
 		}
 		if rep.Event != "" {
+			q.event(&rep)
 			continue
 		}
 		if rep.Error != nil {
@@ -141,6 +192,10 @@ func (q *qmp) execute(ctx context.Context, cmd string, args, out any, fd int) er
 func (q *qmp) ioErr(ctx context.Context, cmd string, err error) error {
 	if ctx.Err() != nil {
 		return fmt.Errorf("qmp %s: %w", cmd, ctx.Err())
+	}
+	if dl, ok := ctx.Deadline(); ok && !time.Now().Before(dl) {
+		// The connection's deadline fired before ctx's timer.
+		return fmt.Errorf("qmp %s: %w", cmd, context.DeadlineExceeded)
 	}
 	if errors.Is(err, net.ErrClosed) {
 		return errdefs.Unavailable("qmp %s: connection closed", cmd)

@@ -85,6 +85,9 @@ type Result struct {
 	ForkIsolatedReady        Summary `json:"fork_isolated_ready,omitzero"`
 	IsolationAddedMSPerChild float64 `json:"isolation_added_ms_per_child,omitempty"`
 
+	// With --branch: branching, measured in the same run.
+	*BranchResult
+
 	ProcessForkP50MS   float64 `json:"baseline_process_fork_p50_ms"`
 	PythonStartP50MS   float64 `json:"baseline_python_c_p50_ms,omitempty"`
 	RatioColdNOverFork float64 `json:"ratio_cold_n_over_fork_n"`
@@ -155,7 +158,7 @@ func Run(ctx context.Context, e *sandbox.Engine, o Options) (*Result, error) {
 	}
 	say := func(format string, args ...any) { fmt.Fprintf(o.Progress, "bench: "+format+"\n", args...) }
 	be := e.Backend()
-	r := &Result{Machine: describeHost(), N: o.N, Image: o.Image}
+	r := &Result{Machine: DescribeHost(), N: o.N, Image: o.Image}
 	r.Machine.Backend = be.Name()
 	r.Machine.Version, _ = be.Version(ctx)
 	r.Machine.Accelerator = be.Capabilities().Accelerator

@@ -51,7 +51,7 @@ type Machine struct {
 	Accelerator string `json:"accelerator"`
 }
 
-func describeHost() Machine {
+func DescribeHost() Machine {
 	m := Machine{Cores: runtime.NumCPU()}
 	if b, err := os.ReadFile("/proc/cpuinfo"); err == nil {
 		sc := bufio.NewScanner(bytes.NewReader(b))

@@ -15,7 +15,7 @@ import (
 
 func newBenchCmd(g *globals) *cobra.Command {
 	var o bench.Options
-	var asJSON bool
+	var asJSON, withBranch, branchOnly bool
 	cmd := &cobra.Command{
 		Use:   "bench [-n N] [--json]",
 		Short: "Measure cold boot vs fork, per-child memory and CPU, exec round trips",
@@ -48,9 +48,24 @@ func newBenchCmd(g *globals) *cobra.Command {
 			if exe, err := os.Executable(); err == nil {
 				o.CLI = exe
 			}
-			r, err := bench.Run(cmd.Context(), e, o)
-			if err != nil {
-				return err
+			r := &bench.Result{}
+			if !branchOnly {
+				if r, err = bench.Run(cmd.Context(), e, o); err != nil {
+					return err
+				}
+			}
+			if withBranch || branchOnly {
+				br, err := bench.RunBranch(cmd.Context(), e, bench.BranchOptions{Image: o.Image, Progress: g.stderr})
+				if err != nil {
+					return err
+				}
+				r.BranchResult = br
+				if branchOnly {
+					r.Machine, r.Image = bench.DescribeHost(), o.Image
+					be := e.Backend()
+					r.Machine.Backend, r.Machine.Accelerator = be.Name(), be.Capabilities().Accelerator
+					r.Machine.Version, _ = be.Version(cmd.Context())
+				}
 			}
 			if asJSON {
 				return writeJSON(g.stdout, r)
@@ -67,11 +82,18 @@ func newBenchCmd(g *globals) *cobra.Command {
 	f.IntVar(&o.ExecRuns, "exec-runs", 30, fmt.Sprintf("exec round trips to time, 1 to %d", bench.MaxExecRuns))
 	f.DurationVar(&o.IdleFor, "idle", 5*time.Second, fmt.Sprintf("how long idle CPU is sampled, %v to %v", bench.MinIdle, bench.MaxIdle))
 	f.BoolVar(&asJSON, "json", false, "print one JSON object")
+	f.BoolVar(&withBranch, "branch", false, "also measure branching: pause and total per mode, 256 MiB vs 1 GiB, a fork from a chain vs a flat snapshot")
+	f.BoolVar(&branchOnly, "branch-only", false, "measure branching only")
 	return cmd
 }
 
 func printBench(g *globals, r *bench.Result) {
 	m := r.Machine
+	if r.N == 0 { // --branch-only
+		fmt.Fprintf(g.stdout, "machine: %s, %d cores, %d MiB, %s, kernel %s\n", m.CPUModel, m.Cores, m.MemoryMiB, m.OS, m.Kernel)
+		printBranch(g, r)
+		return
+	}
 	fmt.Fprintf(g.stdout, "machine: %s, %d cores, %d MiB, %s, kernel %s\n", m.CPUModel, m.Cores, m.MemoryMiB, m.OS, m.Kernel)
 	fmt.Fprintf(g.stdout, "backend: %s %s (%s); image %s; n = %d\n\n", m.Backend, m.Version, m.Accelerator, r.Image, r.N)
 	tw := tabwriter.NewWriter(g.stdout, 0, 4, 2, ' ', 0)
@@ -113,6 +135,28 @@ func printBench(g *globals, r *bench.Result) {
 		row("baseline: python3 -c pass", ms(r.PythonStartP50MS), "", "")
 	}
 	tw.Flush()
-	fmt.Fprintf(g.stdout, "\ncold boot of %d / fork of %d: %.1f×   cold boot / per-child ready: %.1f×\n",
-		r.N, r.N, r.RatioColdNOverFork, r.RatioColdOverReady)
+	if r.N > 0 {
+		fmt.Fprintf(g.stdout, "\ncold boot of %d / fork of %d: %.1f×   cold boot / per-child ready: %.1f×\n",
+			r.N, r.N, r.RatioColdNOverFork, r.RatioColdOverReady)
+	}
+	printBranch(g, r)
+}
+
+// printBranch prints what --branch measured, if anything.
+func printBranch(g *globals, r *bench.Result) {
+	b := r.BranchResult
+	if b == nil {
+		return
+	}
+	fmt.Fprintf(g.stdout, "\nbranch (%d MiB written before each):\n", b.DirtyMiBWritten)
+	for _, m := range []struct {
+		name         string
+		pause, total bench.Summary
+	}{{"full", b.PauseFull, b.TotalFull}, {"diff", b.PauseDiff, b.TotalDiff}, {"live", b.PauseLive, b.TotalLive}} {
+		fmt.Fprintf(g.stdout, "  %s: pause p50 %.1f ms, p90 %.1f ms; total p50 %.0f ms\n", m.name, m.pause.P50, m.pause.P90, m.total.P50)
+	}
+	fmt.Fprintf(g.stdout, "  diff: %.1f MiB dirty, layer %.1f MiB on disk\n", b.DirtyMiB, b.LayerPhysicalMiB)
+	fmt.Fprintf(g.stdout, "  diff pause 256 MiB / 1 GiB guest: %.1f / %.1f ms (%.2f×)\n", b.Pause256MiB.P50, b.Pause1GiB.P50, b.RatioPause1GiBOver256)
+	fmt.Fprintf(g.stdout, "  fork of 10: flat %.0f ms, from a depth-%d chain %.0f ms (%.2f×); ready p50 %.0f / %.0f ms (%.2f×)\n",
+		b.FlatFork10MS, b.ChainDepth, b.Chain5Fork10MS, b.RatioChainOverFlat, b.FlatReady.P50, b.BranchReady.P50, b.RatioBranchReadyOverFlat)
 }

@@ -215,7 +215,7 @@ func (e *Engine) RemoveSnapshotWith(tag string, opts snapshot.RemoveOptions) ([]
 		}
 	}
 	removed, err := e.snaps.RemoveTree(tag, opts)
-	if errdefs.IsFailedPrecondition(err) {
+	if errors.Is(err, snapshot.ErrInUse) {
 		for _, t := range tags {
 			if ids, lerr := e.Users(t); lerr == nil && len(ids) > 0 {
 				return removed, errdefs.FailedPrecondition("snapshot %q is in use by %d sandbox(es) (%s); kill them first (forkd kill --tag %s)", t, len(ids), shortList(ids), t)

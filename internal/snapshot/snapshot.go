@@ -182,6 +182,10 @@ func (s *Snapshot) SizeBytes() int64 {
 	return total
 }
 
+// ErrInUse is in the chain of Remove's error for a snapshot that VMMs
+// still hold references on.
+var ErrInUse = errors.New("in use")
+
 // Store is a snapshot directory tree.
 type Store struct {
 	root string
@@ -380,7 +384,7 @@ func (s *Store) Remove(tag string) error {
 	case err == nil:
 		defer f.Close()
 		if err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB); err != nil {
-			return errdefs.FailedPrecondition("snapshot %q is in use by running sandboxes", tag)
+			return errdefs.FailedPrecondition("snapshot %q is %w by running sandboxes", tag, ErrInUse)
 		}
 	case errors.Is(err, os.ErrNotExist), errors.Is(err, unix.ENOTDIR):
 		// No lock file: a corrupt tag no restore could have referenced.

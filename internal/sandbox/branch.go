@@ -6,7 +6,6 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
-	"io"
 	"os"
 	"strings"
 	"time"
@@ -253,8 +252,9 @@ func (e *Engine) capture(ctx context.Context, m vmm.Machine, src *snapshot.Snaps
 }
 
 // captureLive is capture by the backend's live save: each page it sends
-// that differs from src's memory goes to the layer; one that equals it
-// leaves (or makes again) a hole.
+// that differs from src's memory goes to the layer; one equal to it leaves
+// a hole (punched after the save when an earlier copy had been written:
+// the final pause waits for Page, which must stay fast).
 func captureLive(ctx context.Context, m vmm.Machine, src *snapshot.Snapshot, w *snapshot.Writer, layer *os.File) (captured, error) {
 	saver, ok := m.(vmm.LiveSaver)
 	if !ok {
@@ -265,26 +265,36 @@ func captureLive(ctx context.Context, m vmm.Machine, src *snapshot.Snapshot, w *
 		return captured{}, err
 	}
 	defer base.Close()
-	written := map[uint64]bool{}
-	buf := make([]byte, pageSize)
+	size := int64(src.MemoryMiB) << 20
+	mem, err := unix.Mmap(int(base.Fd()), 0, int(size), unix.PROT_READ, unix.MAP_SHARED)
+	if err != nil {
+		return captured{}, fmt.Errorf("map the base memory: %w", err)
+	}
+	defer func() { _ = unix.Munmap(mem) }()
+	const (
+		untouched = iota
+		written
+		stale // written, then found equal to the base again
+	)
+	pages := make([]byte, size/pageSize)
 	zero := make([]byte, pageSize)
 	stats, err := saver.SaveLive(ctx, vmm.LiveSaveSpec{
 		StateFile: w.StatePath(),
 		Page: func(off uint64, data []byte) error {
+			i := off / pageSize
+			if off%pageSize != 0 || i >= uint64(len(pages)) {
+				return errdefs.InvalidArgument("page at %#x is outside guest RAM", off)
+			}
 			if data == nil {
 				data = zero
 			}
-			if _, err := base.ReadAt(buf, int64(off)); err != nil && !errors.Is(err, io.EOF) {
-				return err
-			}
-			if string(buf) == string(data) {
-				if written[off] {
-					delete(written, off)
-					return unix.Fallocate(int(layer.Fd()), unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE, int64(off), pageSize)
+			if string(mem[off:off+pageSize]) == string(data) {
+				if pages[i] == written {
+					pages[i] = stale
 				}
 				return nil
 			}
-			written[off] = true
+			pages[i] = written
 			_, err := layer.WriteAt(data, int64(off))
 			return err
 		},
@@ -292,7 +302,25 @@ func captureLive(ctx context.Context, m vmm.Machine, src *snapshot.Snapshot, w *
 	if err != nil {
 		return captured{}, err
 	}
-	return captured{pauseMS: float64(stats.Downtime.Microseconds()) / 1000, dirty: int64(len(written)) * pageSize}, layer.Sync()
+	var dirty int64
+	for i := 0; i < len(pages); {
+		if pages[i] == written {
+			dirty += pageSize
+		}
+		j := i
+		for j < len(pages) && pages[j] == stale {
+			j++
+		}
+		if j > i {
+			if err := unix.Fallocate(int(layer.Fd()), unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE, int64(i)*pageSize, int64(j-i)*pageSize); err != nil {
+				return captured{}, err
+			}
+			i = j
+			continue
+		}
+		i++
+	}
+	return captured{pauseMS: float64(stats.Downtime.Microseconds()) / 1000, dirty: dirty}, layer.Sync()
 }
 
 // pageSize is the guest page size.

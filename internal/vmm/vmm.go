@@ -173,7 +173,8 @@ type LiveSaveSpec struct {
 	// page of zeros. Every page comes at least once; one the guest
 	// rewrote comes again, and the last call for an offset wins. Calls
 	// come one at a time, never concurrently, and all before SaveLive
-	// returns; data is only valid during the call.
+	// returns; data is only valid during the call. Keep it fast: the
+	// final pause may wait for it to take the last pages.
 	Page func(guestOffset uint64, data []byte) error
 	// MaxDowntime is the longest the guest should be paused for the final
 	// copy (default 50 ms). It is a target: a guest that dirties memory

@@ -26,6 +26,8 @@ const (
 	maxDowntimeLimit = 2000 * time.Second
 	// livePoll is how often query-migrate is asked while no event comes.
 	livePoll = 50 * time.Millisecond
+	// liveSocketBuffer is the send buffer of QEMU's end of the socket.
+	liveSocketBuffer = 256 << 10
 	// liveFD names the socket passed to QEMU for the migration.
 	liveFD = "forkd-live"
 )
@@ -112,6 +114,7 @@ func (m *Machine) SaveLive(ctx context.Context, spec vmm.LiveSaveSpec) (vmm.Live
 	if err := ls.start(ctx); err != nil {
 		return vmm.LiveStats{}, err
 	}
+	defer ls.conn.Close()
 	stats, err := ls.run(ctx, spec)
 	if err != nil {
 		return vmm.LiveStats{}, errors.Join(err, ls.abort(ctx))
@@ -160,8 +163,10 @@ func (ls *liveSave) start(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("socketpair: %w", err)
 	}
-	// Fewer, larger writes from QEMU; the kernel caps the size.
-	_ = unix.SetsockoptInt(fds[1], unix.SOL_SOCKET, unix.SO_SNDBUF, 4<<20)
+	// What QEMU has written but the consumer not yet taken is what the
+	// final check waits for, and it inflates QEMU's estimate of the
+	// bandwidth: keep it small, whatever the host's default.
+	_ = unix.SetsockoptInt(fds[1], unix.SOL_SOCKET, unix.SO_SNDBUF, liveSocketBuffer)
 	if err := unix.SetNonblock(fds[0], true); err != nil {
 		unix.Close(fds[0])
 		unix.Close(fds[1])

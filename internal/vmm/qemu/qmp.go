@@ -112,8 +112,8 @@ func (q *qmp) event(rep *qmpReply) {
 	}
 }
 
-// awaitEvent reads events until one arrives (true), d has passed (false)
-// or ctx ends.
+// awaitEvent waits up to d for an event, hands it to onEvent and reports
+// whether one came. Only events may arrive: no command is in flight.
 func (q *qmp) awaitEvent(ctx context.Context, d time.Duration) (bool, error) {
 	q.mu.Lock()
 	defer q.mu.Unlock()

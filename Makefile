@@ -51,8 +51,13 @@ vm: deps build
 lint:
 	$(GO) tool -modfile=tools/go.mod golangci-lint run ./...
 
+# Bounded fuzz runs: the API's request decoding, and the QEMU migration
+# streams a branch takes apart (a guest controls their device state).
 fuzz:
 	$(GO) test -run=^$$ -fuzz=FuzzDecodeCreateSandbox -fuzztime=20s -fuzzminimizetime=2s ./internal/server
+	for f in FuzzStateHead FuzzConsumeLive FuzzSpliceState; do \
+		$(GO) test -run=^$$ -fuzz=$$f -fuzztime=10s -fuzzminimizetime=2s ./internal/vmm/qemu || exit 1; \
+	done
 
 # Everything CI runs: vet, format, lint, the unit tier under -race, then
 # every tier (vm), then a bounded fuzz run.

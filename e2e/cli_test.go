@@ -116,6 +116,14 @@ func TestSnapshotForkExecKill(t *testing.T) {
 	if out := c.ok("exec", id, "--", "hostname"); strings.TrimSpace(out) != id {
 		t.Fatalf("hostname = %q", out)
 	}
+	if out := c.ok("ping", id); !strings.HasPrefix(out, id+": agent ") {
+		t.Fatalf("ping = %q", out)
+	}
+	// run: one command in a fresh child of the image, then the child goes.
+	out, errs, code = c.run("run", "--image", "minimal", "--tag", "base", "--", "sh", "-c", "echo ran; exit 5")
+	if out != "ran\n" || code != 5 {
+		t.Fatalf("run = %q, exit %d, %q", out, code, errs)
+	}
 	if _, _, code := c.run("exec", id, "--", "sh", "-c", "kill -9 $$"); code != 128+9 {
 		t.Fatalf("exec killed by SIGKILL: exit %d, want 137", code)
 	}

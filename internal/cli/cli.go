@@ -120,6 +120,8 @@ func newRoot(g *globals) *cobra.Command {
 		newSnapshotInfoCmd(g),
 		newSnapshotCompactCmd(g),
 		newWorkspaceCmd(g),
+		newRunCmd(g),
+		newPingCmd(g),
 	)
 	return root
 }

@@ -106,6 +106,14 @@ func (e *Engine) Reconcile(ctx context.Context) (*ReconcileReport, error) {
 			owned[sb.Handle.RunDir] = true
 			owners[sb.Handle.Process] = true
 			rep.Adopted = append(rep.Adopted, sb.ID)
+			// A crash in the middle of a branch leaves its source paused:
+			// every adopted VM runs again (resuming one that runs is a
+			// no-op).
+			if m, err := e.cfg.Backend.Attach(ctx, sb.Handle); err == nil {
+				if err := m.Resume(ctx); err != nil {
+					e.log.Warn("resume adopted sandbox", "sandbox", sb.ID, "err", err)
+				}
+			}
 		case sb.Status == state.StatusParked:
 			// Parked VMMs belong to the process that parked them.
 			if err := e.stop(ctx, sb); err != nil {

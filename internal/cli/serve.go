@@ -35,6 +35,7 @@ type serveOptions struct {
 	maxBody, maxBodyInFlight    int64
 	auditLog, importDir         string
 	unresponsive                string
+	maxBranches                 int
 	grace, bodyTimeout          time.Duration
 }
 
@@ -77,6 +78,7 @@ missing). A non-loopback --listen needs TLS (--tls-cert/--tls-key) unless
 	f.StringVar(&o.auditLog, "audit-log", "", `audit log, one JSON line per request (default <data-dir>/audit.log; "-" for stderr)`)
 	f.BoolVar(&o.allowImageScripts, "allow-image-scripts", false, "let API callers install oci.extra packages, which runs the image's own apt scripts as root on this host (only if every token holder is trusted with root)")
 	f.StringVar(&o.importDir, "import-dir", "", "the only directory whose tarballs and OCI layouts API callers may import (default <data-dir>/imports; other refs must be registry references)")
+	f.IntVar(&o.maxBranches, "max-branches", sandbox.DefaultMaxBranches, "branches taken at once, 1 to 64; more are refused with 429")
 	f.StringVar(&o.unresponsive, "unresponsive", sandbox.UnresponsiveKeep, "what happens to a sandbox whose agent stops answering: keep (marked unresponsive, kept for inspection) or kill; a create request's on_unresponsive overrides it")
 	f.DurationVar(&o.grace, "shutdown-grace", 10*time.Second, "time requests in flight get to finish at shutdown, 0 to 1h")
 	return cmd
@@ -114,6 +116,7 @@ func (o serveOptions) validate() error {
 		{"--max-parallel-restores", int64(o.maxParallel), 1, maxServeParallel, "2 × CPUs"},
 		{"--max-pending-restores", int64(o.maxPending), 1, maxServeSandboxes, "no limit"},
 		{"--pool", int64(o.pool), 0, maxServePool, ""},
+		{"--max-branches", int64(o.maxBranches), 1, 64, ""},
 		{"--max-ports-per-sandbox", int64(o.maxPorts), 1, maxServePorts, ""},
 		{"--max-body-bytes", o.maxBody, minServeBody, maxServeBody, ""},
 		{"--max-body-bytes-in-flight", o.maxBodyInFlight, max(o.maxBody, minServeBody), maxServeInFlight, ""},
@@ -209,6 +212,7 @@ func serve(ctx context.Context, g *globals, o serveOptions) error {
 		c.Pool = o.pool
 		c.MaxPortsPerSandbox = o.maxPorts
 		c.Unresponsive = o.unresponsive
+		c.MaxBranches = o.maxBranches
 		c.OnEvent = events.send
 		c.Progress = io.Discard
 	})

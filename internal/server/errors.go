@@ -64,7 +64,13 @@ func wireError(err error) apiv1.Error {
 
 // writeError writes err as an ErrorResponse with its status.
 func writeError(w http.ResponseWriter, err error) {
-	writeJSON(w, httpStatus(err), apiv1.ErrorResponse{Error: wireError(err)})
+	status := httpStatus(err)
+	if status == http.StatusTooManyRequests && w.Header().Get("Retry-After") == "" {
+		// A limit that frees up as work ends (admission, branches,
+		// operations): worth a retry soon.
+		w.Header().Set("Retry-After", "1")
+	}
+	writeJSON(w, status, apiv1.ErrorResponse{Error: wireError(err)})
 }
 
 func writeJSON(w http.ResponseWriter, status int, v any) {

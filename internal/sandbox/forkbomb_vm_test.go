@@ -2,12 +2,15 @@ package sandbox_test
 
 import (
 	"context"
+	"errors"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/forkd/forkd/internal/agent"
+	"github.com/forkd/forkd/internal/agent/proto"
 	"github.com/forkd/forkd/internal/sandbox"
 	"github.com/forkd/forkd/internal/state"
 	"github.com/forkd/forkd/internal/testutil"
@@ -37,7 +40,7 @@ func TestForkBombUnderCPULimit(t *testing.T) {
 	}
 	defer release()
 	const runs, timeout = 10, 6 * time.Second
-	for run := 0; run < runs; run++ {
+	for i := 0; i < runs; i++ {
 		pctx, stopPings := context.WithCancel(ctx)
 		var wg sync.WaitGroup
 		var mu sync.Mutex
@@ -69,20 +72,37 @@ func TestForkBombUnderCPULimit(t *testing.T) {
 		took := time.Since(start)
 		stopPings()
 		wg.Wait()
-		if err != nil {
-			t.Fatalf("run %d: exec: %v (after %v)", run, err, took)
-		}
+		// On time: the guest's answer, or the host's own deadline (the
+		// timeout plus its grace) when the starved guest is later still;
+		// never a broken channel.
 		if took > timeout+agent.DefaultCallGrace+2*time.Second {
-			t.Fatalf("run %d: a %v timeout took %v", run, timeout, took)
+			t.Fatalf("run %d: a %v timeout took %v", i, timeout, took)
+		}
+		if err != nil && !errors.Is(err, context.DeadlineExceeded) {
+			t.Fatalf("run %d: exec: %v (after %v)", i, err, took)
+		}
+		if err != nil {
+			r = &proto.ExecResult{TimedOut: true, ExitCode: -1}
 		}
 		for _, perr := range pingErrs {
-			t.Errorf("run %d: ping: %v", run, perr)
+			t.Errorf("run %d: ping: %v", i, perr)
 		}
 		if cerr := c.Err(); cerr != nil {
-			t.Fatalf("run %d: the agent session ended: %v", run, cerr)
+			t.Fatalf("run %d: the agent session ended: %v", i, cerr)
+		}
+		// The next run starts once the agent has killed this bomb.
+		for deadline := time.Now().Add(2 * time.Minute); ; time.Sleep(time.Second) {
+			// Tasks of the guest's workload (this probe included).
+			out, code := run(t, e, id, "cat /sys/fs/cgroup/workload/pids.current")
+			if n, _ := strconv.Atoi(strings.TrimSpace(out)); code == 0 && n < 5 {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("run %d: the bomb still runs 2 min after its timeout: %s processes", i, strings.TrimSpace(out))
+			}
 		}
 		t.Logf("run %d: exec %v (exit %d, timed out %v, %q), slowest ping %v, resends so far %d",
-			run, took.Round(time.Millisecond), r.ExitCode, r.TimedOut, strings.TrimSpace(out.String()), slowest.Round(time.Millisecond), c.Resends())
+			i, took.Round(time.Millisecond), r.ExitCode, r.TimedOut, strings.TrimSpace(out.String()), slowest.Round(time.Millisecond), c.Resends())
 	}
 	if out, code := run(t, e, id, "echo alive"); code != 0 || out != "alive\n" {
 		t.Fatalf("after the bombs: %q exit %d", out, code)

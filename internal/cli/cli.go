@@ -87,7 +87,7 @@ func newRoot(g *globals) *cobra.Command {
 	// A flag that does not parse (a malformed or overflowing number or
 	// duration) is an invalid argument, as a value out of range is.
 	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error {
-		return errdefs.InvalidArgument("%v", err)
+		return errdefs.InvalidArgument("%w", err)
 	})
 	root.SetOut(g.stdout)
 	root.SetErr(g.stderr)

@@ -93,7 +93,7 @@ func openHostSource(g *globals, path string) (io.Reader, os.FileMode, func(), er
 	}
 	f, err := os.Open(path)
 	if err != nil {
-		return nil, 0, nil, errdefs.NotFound("%v", err)
+		return nil, 0, nil, errdefs.NotFound("%w", err)
 	}
 	st, err := f.Stat()
 	if err != nil || !st.Mode().IsRegular() {

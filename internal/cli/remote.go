@@ -41,7 +41,7 @@ func (g *globals) remote(ctx context.Context) (*client.Client, error) {
 		pctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 		defer cancel()
 		if err := c.Health(pctx); err != nil {
-			return nil, errdefs.Unavailable("FORKD_URL=%s does not answer: %v", u, err)
+			return nil, errdefs.Unavailable("FORKD_URL=%s does not answer: %w", u, err)
 		}
 		return c, nil
 	}
@@ -80,7 +80,7 @@ func (g *globals) remote(ctx context.Context) (*client.Client, error) {
 func daemonToken(rawURL, dir string) (string, error) {
 	u, err := url.Parse(rawURL)
 	if err != nil {
-		return "", errdefs.InvalidArgument("FORKD_URL %q: %v", rawURL, err)
+		return "", errdefs.InvalidArgument("FORKD_URL %q: %w", rawURL, err)
 	}
 	tok := os.Getenv("FORKD_TOKEN")
 	if u.Scheme == "unix" {

@@ -198,7 +198,7 @@ func serve(ctx context.Context, g *globals, o serveOptions) error {
 	if o.tlsCert != "" {
 		cert, err := tls.LoadX509KeyPair(o.tlsCert, o.tlsKey)
 		if err != nil {
-			return errdefs.InvalidArgument("TLS certificate: %v", err)
+			return errdefs.InvalidArgument("TLS certificate: %w", err)
 		}
 		tlsCfg = &tls.Config{Certificates: []tls.Certificate{cert}, MinVersion: tls.VersionTLS12}
 	}
@@ -304,7 +304,7 @@ func serve(ctx context.Context, g *globals, o serveOptions) error {
 func isLoopback(addr string) (bool, error) {
 	host, _, err := net.SplitHostPort(addr)
 	if err != nil {
-		return false, errdefs.InvalidArgument("--listen %q: %v", addr, err)
+		return false, errdefs.InvalidArgument("--listen %q: %w", addr, err)
 	}
 	return loopback.Host(host), nil
 }

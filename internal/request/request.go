@@ -59,7 +59,7 @@ var SandboxStatuses = []string{state.StatusStarting, state.StatusRunning, state.
 func ForkSpec(req *apiv1.CreateSandboxesRequest, maxN int) (sandbox.ForkSpec, error) {
 	var spec sandbox.ForkSpec
 	if err := snapshot.ValidateTag(req.SnapshotTag); err != nil {
-		return spec, errdefs.InvalidArgument("snapshot_tag: %v", err)
+		return spec, errdefs.InvalidArgument("snapshot_tag: %w", err)
 	}
 	n := req.N
 	if n == 0 {

@@ -115,7 +115,7 @@ func (es *eventStream) send(ev apiv1.StreamEvent) error {
 	es.mu.Lock()
 	defer es.mu.Unlock()
 	if err := es.enc.Encode(ev); err != nil {
-		return errdefs.Unavailable("caller went away: %v", err)
+		return errdefs.Unavailable("caller went away: %w", err)
 	}
 	return es.rc.Flush()
 }

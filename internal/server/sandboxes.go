@@ -59,7 +59,7 @@ func (s *Server) fork(r *http.Request, spec sandbox.ForkSpec, do func(sandbox.Fo
 				}
 			}
 		}
-		return nil, errdefs.Unavailable("the caller went away before the sandboxes were ready: %v", cerr)
+		return nil, errdefs.Unavailable("the caller went away before the sandboxes were ready: %w", cerr)
 	}
 	out := apiv1.CreateSandboxesResponse{Sandboxes: []apiv1.Sandbox{}, WallMS: res.WallMS}
 	for _, c := range res.Children {

@@ -141,7 +141,7 @@ func (m *Machine) fail(err error) error {
 	if serr != nil {
 		// A QEMU left running (or its run dir left behind) must not go
 		// unseen; err keeps its class.
-		err = fmt.Errorf("%w (and stopping it: %v)", err, serr)
+		err = fmt.Errorf("%w (and stopping it: %w)", err, serr)
 	}
 	return err
 }

@@ -270,7 +270,11 @@ func (e *Engine) warm(ctx context.Context, m vmm.Machine, spec SnapshotSpec, con
 		return fmt.Errorf("parent agent: %w%s", err, consoleTail(consoleLog))
 	}
 	defer c.Close()
-	if err := c.Init(bctx, initRequest("parent", 0)); err != nil {
+	// Init starts the warm interpreter and its preloads: under emulation on a
+	// busy host that can take as long as the boot, so it gets its own budget.
+	ictx, icancel := context.WithTimeout(ctx, spec.BootTimeout)
+	defer icancel()
+	if err := c.Init(ictx, initRequest("parent", 0)); err != nil {
 		return fmt.Errorf("parent init: %w", err)
 	}
 	for _, cmd := range spec.Warmup {

@@ -3,7 +3,7 @@
 
 import type { Controller } from './controller.js'
 import { eventBytes } from './controller.js'
-import { CommandExitError, DeadlineExceededError, ForkdError, NotFoundError } from './errors.js'
+import { CommandExitError, DeadlineExceededError, FailedPreconditionError, ForkdError, NotFoundError } from './errors.js'
 import type { BodyData } from './http.js'
 import type { ExecRequest, ExecResult, Process } from './types.js'
 
@@ -193,15 +193,9 @@ export class CommandHandle {
     return finish(await this.attach(), this.timeoutMs)
   }
 
-  /** kill kills the command (SIGKILL to its group); false when it is not there. */
-  async kill(): Promise<boolean> {
-    try {
-      await this.ctl.killProcess(this.sandboxId, this.pid)
-      return true
-    } catch (err) {
-      if (err instanceof NotFoundError) return false
-      throw err
-    }
+  /** kill kills the command (SIGKILL to its group); false when it is not there or has ended. */
+  kill(): Promise<boolean> {
+    return killProcess(this.ctl, this.sandboxId, this.pid)
   }
 
   /** sendStdin writes to the command's stdin (started with stdin: true). */
@@ -342,15 +336,9 @@ export class Commands {
     return new CommandHandle(pid, this.sandboxId, this.ctl, opts.onStdout, opts.onStderr)
   }
 
-  /** kill kills a background process; false when there is none with that pid. */
-  async kill(pid: number, opts: CommandRequestOpts = {}): Promise<boolean> {
-    try {
-      await this.ctl.killProcess(this.sandboxId, pid, opts)
-      return true
-    } catch (err) {
-      if (err instanceof NotFoundError) return false
-      throw err
-    }
+  /** kill kills a background process; false when there is none with that pid running. */
+  kill(pid: number, opts: CommandRequestOpts = {}): Promise<boolean> {
+    return killProcess(this.ctl, this.sandboxId, pid, opts)
   }
 
   /** sendStdin writes to a background process's stdin. */
@@ -361,6 +349,18 @@ export class Commands {
   /** closeStdin closes a background process's stdin. */
   closeStdin(pid: number, opts: CommandRequestOpts = {}): Promise<void> {
     return this.ctl.sendStdin(this.sandboxId, pid, new Uint8Array(0), { ...opts, eof: true })
+  }
+}
+
+// killProcess kills a background process: false when it is not there
+// (404) or has ended (409).
+async function killProcess(ctl: Controller, id: string, pid: number, opts: CommandRequestOpts = {}): Promise<boolean> {
+  try {
+    await ctl.killProcess(id, pid, opts)
+    return true
+  } catch (err) {
+    if (err instanceof NotFoundError || err instanceof FailedPreconditionError) return false
+    throw err
   }
 }
 

@@ -50,12 +50,14 @@ describe('forkd serve', { skip, timeout: 15 * 60_000 }, () => {
     d = await startDaemon({ bin, args: ['--max-sandboxes', '4', '--pool', '0'] })
     ctl = new Controller({ url: d.socketUrl })
     try {
-      await Promise.all(
-        [
-          [MIN, 'minimal'],
-          [PY, 'python'],
-        ].map(([tag, image]) => ctl.buildSnapshot({ tag, image }, { onProgress: (l) => progress[tag].push(l) })),
-      )
+      // One after the other: two parents booting at once on a loaded
+      // machine can miss the agent's start-up deadline.
+      for (const [tag, image] of [
+        [MIN, 'minimal'],
+        [PY, 'python'],
+      ]) {
+        await ctl.buildSnapshot({ tag, image }, { onProgress: (l) => progress[tag].push(l) })
+      }
     } catch (err) {
       err.message += '\n' + d.log()
       throw err

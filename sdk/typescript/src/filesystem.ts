@@ -106,7 +106,7 @@ export class Filesystem {
   }
 
   /**
-   * write replaces a file (made atomically; its parent must exist) with
+   * write replaces a file (made atomically, its parent directories too) with
    * data: text, bytes, a Blob, or a stream (ReadableStream, Node Readable,
    * any async iterable of bytes), streamed as it is read. With entries it
    * writes each.

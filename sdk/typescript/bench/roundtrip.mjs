@@ -5,9 +5,15 @@
 //   npm run build && node bench/roundtrip.mjs            # starts its own daemon (FORKD_BIN or bin/forkd)
 //   FORKD_URL=… BENCH_MINIMAL=tag BENCH_PYTHON=tag node bench/roundtrip.mjs   # an existing daemon and snapshots
 //
-// BENCH_N (default 30) calls per measure, BENCH_WARMUP (default 3).
+// BENCH_N (default 30) calls per measure, BENCH_WARMUP (default 3);
+// BENCH_SDK_ONLY=1 runs sdk_only alone.
+// sdk_only is the same calls against a fake daemon in this process that
+// answers at once: what the SDK and Node's HTTP stacks cost.
 
+import { mkdtempSync, rmSync } from 'node:fs'
+import { createServer } from 'node:http'
 import { cpus, loadavg } from 'node:os'
+import { join } from 'node:path'
 
 import { Controller, Sandbox } from '../dist/index.js'
 import { startDaemon } from '../test/daemon.mjs'
@@ -33,6 +39,11 @@ async function measure(fn) {
   return stats(ms)
 }
 
+if (process.env.BENCH_SDK_ONLY === '1') {
+  console.log(JSON.stringify({ n: N, warmup: WARMUP, node: process.version, sdk_only: await sdkOnly() }, null, 2))
+  process.exit(0)
+}
+
 const own = !process.env.FORKD_URL && !process.env.BENCH_MINIMAL
 let daemon
 const targets = [] // [name, controller options]
@@ -54,10 +65,10 @@ try {
   if (!minTag || !pyTag) {
     minTag = 'bench-min'
     pyTag = 'bench-py'
-    await Promise.all([
-      first.buildSnapshot({ tag: minTag, image: 'minimal' }),
-      first.buildSnapshot({ tag: pyTag, image: 'python' }),
-    ])
+    // One after the other: two parents booting at once on a loaded
+    // machine can miss the agent's start-up deadline.
+    await first.buildSnapshot({ tag: minTag, image: 'minimal' })
+    await first.buildSnapshot({ tag: pyTag, image: 'python' })
   }
   const sbx = await Sandbox.create(minTag, { controller: first, timeoutMs: 0 })
   made.push(sbx)
@@ -82,5 +93,46 @@ try {
   first.close()
   await daemon?.stop()
 }
+out.sdk_only = await sdkOnly()
 out.loadavg_after = loadavg().map((x) => Math.round(x * 100) / 100)
 console.log(JSON.stringify(out, null, 2))
+
+// sdkOnly times the calls against a fake daemon answering at once, over
+// TCP (fetch) and a unix socket (node:http).
+async function sdkOnly() {
+  const srv = createServer((req, res) => {
+    req.resume()
+    req.on('end', () => {
+      res.writeHead(200, { 'content-type': 'application/json' })
+      if (req.url.endsWith('/exec')) res.end('{"exit_code":0,"duration_ms":1}')
+      else if (req.url.endsWith('/eval')) res.end('{"value":"2","duration_ms":1}')
+      else res.end('{"id":"sb-aaaaaaaaaa","snapshot_tag":"x","status":"running","pid":1,"created":"2026-01-01T00:00:00Z","ready_ms":1}')
+    })
+  })
+  const dir = mkdtempSync('/tmp/fts-bench-')
+  const res = {}
+  try {
+    await new Promise((r) => srv.listen(0, '127.0.0.1', r))
+    const tcp = `http://127.0.0.1:${srv.address().port}`
+    const unix = join(dir, 's')
+    const srv2 = createServer(srv.listeners('request')[0])
+    await new Promise((r) => srv2.listen(unix, r))
+    for (const [name, url] of [
+      ['unix', 'unix://' + unix],
+      ['tcp', tcp],
+    ]) {
+      const ctl = new Controller({ url, token: 'bench-token-0123456789', env: {} })
+      const s = await Sandbox.connect('sb-aaaaaaaaaa', { controller: ctl })
+      res[name] = {
+        commands_run_true: await measure(() => s.commands.run('true')),
+        run_code_1_plus_1: await measure(() => s.runCode('1+1')),
+      }
+      ctl.close()
+    }
+    await new Promise((r) => srv2.close(r))
+  } finally {
+    await new Promise((r) => srv.close(r))
+    rmSync(dir, { recursive: true, force: true })
+  }
+  return res
+}

@@ -52,15 +52,22 @@ function isStreamBody(b: BodyData | undefined): b is ReadableStream<Uint8Array> 
   return true
 }
 
+// iterateWeb reads a web stream; a reader that stops early cancels it (and
+// so closes its connection).
 async function* iterateWeb(stream: ReadableStream<Uint8Array>): AsyncGenerator<Uint8Array> {
   const reader = stream.getReader()
+  let ended = false
   try {
     for (;;) {
       const { done, value } = await reader.read()
-      if (done) return
+      if (done) {
+        ended = true
+        return
+      }
       if (value) yield value
     }
   } finally {
+    if (!ended) await reader.cancel().catch(() => {})
     reader.releaseLock()
   }
 }

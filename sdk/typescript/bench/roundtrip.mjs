@@ -16,7 +16,7 @@ import { cpus, loadavg } from 'node:os'
 import { join } from 'node:path'
 
 import { Controller, Sandbox } from '../dist/index.js'
-import { startDaemon } from '../test/daemon.mjs'
+import { buildSnapshot, startDaemon } from '../test/daemon.mjs'
 
 const N = Number(process.env.BENCH_N || 30)
 const WARMUP = Number(process.env.BENCH_WARMUP || 3)
@@ -82,8 +82,8 @@ try {
     pyTag = 'bench-py'
     // One after the other: two parents booting at once on a loaded
     // machine can miss the agent's start-up deadline.
-    await first.buildSnapshot({ tag: minTag, image: 'minimal' })
-    await first.buildSnapshot({ tag: pyTag, image: 'python' })
+    await buildSnapshot(first, { tag: minTag, image: 'minimal' })
+    await buildSnapshot(first, { tag: pyTag, image: 'python' })
   }
   const sbx = await Sandbox.create(minTag, { controller: first, timeoutMs: 0 })
   made.push(sbx)

@@ -39,6 +39,22 @@ function freePort() {
 }
 
 /**
+ * buildSnapshot builds a snapshot, trying twice: on a loaded machine a
+ * parent VM can miss its agent's start-up deadline (`agent init: context
+ * deadline exceeded`), and a second boot usually makes it.
+ */
+export async function buildSnapshot(ctl, req, opts = {}) {
+  try {
+    return await ctl.buildSnapshot(req, opts)
+  } catch (err) {
+    if (err.code !== 'deadline_exceeded') throw err
+    console.error(`# snapshot ${req.tag}: ${err.message}; trying again`)
+    await ctl.deleteSnapshot(req.tag).catch(() => {})
+    return await ctl.buildSnapshot(req, opts)
+  }
+}
+
+/**
  * startDaemon starts forkd serve with extra flags and waits until it
  * answers on its socket.
  */

@@ -77,7 +77,9 @@ func (s *SnapshotSpec) validate() error {
 		}
 	}
 	if s.BootTimeout == 0 {
-		s.BootTimeout = 3 * time.Minute
+		// A python parent boots in seconds under KVM but has taken over
+		// three minutes under TCG on a loaded two-core host.
+		s.BootTimeout = 6 * time.Minute
 	}
 	return nil
 }

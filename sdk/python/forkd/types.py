@@ -1,0 +1,450 @@
+"""Typed results of the forkd REST API v1: dataclasses mirroring api/v1.
+
+Field names are the JSON names. Times are timezone-aware datetimes (None
+when the daemon omits them), ``*_b64`` fields are bytes. Decoding ignores
+fields it does not know, since responses only gain fields.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import re
+import sys
+import typing
+from datetime import datetime, timedelta, timezone
+from typing import Any, Dict, List, Optional, Type, TypeVar, Union
+
+__all__ = [
+    "VersionInfo",
+    "ErrorInfo",
+    "Snapshot",
+    "SnapshotInfo",
+    "OCISource",
+    "Operation",
+    "NetworkRule",
+    "NetworkSpec",
+    "PublishedPort",
+    "SandboxNetwork",
+    "Limits",
+    "Sandbox",
+    "ChildFailure",
+    "CreateSandboxesResponse",
+    "ExecResult",
+    "StreamEvent",
+    "EvalError",
+    "EvalResult",
+    "PingResult",
+    "FileInfo",
+    "WriteFileResult",
+    "Workspace",
+    "Process",
+    "parse_time",
+]
+
+T = TypeVar("T", bound="Model")
+
+_TIME = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(\.\d+)?(Z|[+-]\d\d:\d\d)$")
+
+
+def parse_time(s: Optional[str]) -> Optional[datetime]:
+    """An RFC 3339 time as Go writes it (nanoseconds, ``Z``) as an aware
+    datetime; None for an empty or zero time."""
+    if not s:
+        return None
+    m = _TIME.match(s)
+    if not m:
+        raise ValueError(f"bad time {s!r}")
+    base, frac, tz = m.groups()
+    if base.startswith("0001-01-01"):
+        return None
+    micro = int((frac or ".0")[1:7].ljust(6, "0"))
+    t = datetime.strptime(base, "%Y-%m-%dT%H:%M:%S").replace(microsecond=micro)
+    if tz == "Z":
+        return t.replace(tzinfo=timezone.utc)
+    sign = 1 if tz[0] == "+" else -1
+    off = timedelta(hours=int(tz[1:3]), minutes=int(tz[4:6]))
+    return t.replace(tzinfo=timezone(sign * off))
+
+
+_hints: Dict[type, Dict[str, Any]] = {}
+
+
+def _decode(tp: Any, v: Any) -> Any:
+    if v is None:
+        return None
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin is Union:
+        inner = [a for a in args if a is not type(None)]
+        return _decode(inner[0], v)
+    if origin in (list, List):
+        return [_decode(args[0], x) for x in v]
+    if origin in (dict, Dict):
+        return {k: _decode(args[1], x) for k, x in v.items()}
+    if tp is datetime:
+        return parse_time(v)
+    if tp is bytes:
+        return base64.b64decode(v)
+    if tp is float:
+        return float(v)
+    if isinstance(tp, type) and issubclass(tp, Model):
+        return tp.from_dict(v)
+    return v
+
+
+class Model:
+    """Base of the API's dataclasses: decoding from and encoding to JSON."""
+
+    @classmethod
+    def from_dict(cls: Type[T], d: Dict[str, Any]) -> T:
+        hints = _hints.get(cls)
+        if hints is None:
+            mod = sys.modules[cls.__module__].__dict__
+            hints = typing.get_type_hints(cls, globalns=mod, localns=mod)
+            _hints[cls] = hints
+        kw = {}
+        for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+            if f.name in d:
+                kw[f.name] = _decode(hints[f.name], d[f.name])
+        return cls(**kw)
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The JSON object of this value, without its empty fields (the
+        daemon's omitempty), bytes as base64."""
+        out: Dict[str, Any] = {}
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            v = _encode(getattr(self, f.name))
+            if v is None or v == "" or v == [] or v == {} or v is False or (v == 0 and not isinstance(v, bool)):
+                continue
+            out[f.name] = v
+        return out
+
+
+def _encode(v: Any) -> Any:
+    if isinstance(v, Model):
+        return v.to_dict()
+    if isinstance(v, (bytes, bytearray)):
+        return base64.b64encode(bytes(v)).decode("ascii")
+    if isinstance(v, datetime):
+        return v.isoformat()
+    if isinstance(v, list):
+        return [_encode(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _encode(x) for k, x in v.items()}
+    return v
+
+
+@dataclasses.dataclass
+class VersionInfo(Model):
+    """GET /version."""
+
+    version: str = ""
+    api_version: str = ""
+    backend: str = ""
+    accelerator: str = ""
+    data_dir: str = ""
+
+
+@dataclasses.dataclass
+class ErrorInfo(Model):
+    """An error as the API writes it: a stable code and a message."""
+
+    code: str = ""
+    message: str = ""
+
+
+@dataclasses.dataclass
+class Snapshot(Model):
+    """A warm snapshot children are forked from. ``status`` is writing,
+    ready, failed or corrupt; ``problem`` says why this daemon cannot fork
+    it; ``kind`` is boot or branch."""
+
+    tag: str = ""
+    status: str = ""
+    image: str = ""
+    backend: str = ""
+    accelerator: str = ""
+    memory_mib: int = 0
+    vcpus: int = 0
+    size_bytes: int = 0
+    refcount: int = 0
+    created: Optional[datetime] = None
+    parent: str = ""
+    error: str = ""
+    network: bool = False
+    python: str = ""
+    problem: str = ""
+    kind: str = ""
+    mode: str = ""
+    source: str = ""
+    depth: int = 0
+    ephemeral: bool = False
+
+
+@dataclasses.dataclass
+class SnapshotInfo(Snapshot):
+    """GET /v1/snapshots/{tag}/info: the snapshot, its chain and sizes."""
+
+    logical_bytes: int = 0
+    physical_bytes: int = 0
+    layer_bytes: int = 0
+    ancestors: List[str] = dataclasses.field(default_factory=list)
+    chain_error: str = ""
+    dependents: List[str] = dataclasses.field(default_factory=list)
+    pause_ms: float = 0.0
+    dirty_bytes: int = 0
+    total_ms: float = 0.0
+
+
+@dataclasses.dataclass
+class OCISource(Model):
+    """An OCI image to import when building a snapshot: a registry
+    reference, or a docker-save tarball / OCI layout in the daemon's import
+    dir."""
+
+    ref: str = ""
+    extra: List[str] = dataclasses.field(default_factory=list)
+    preload: List[str] = dataclasses.field(default_factory=list)
+    insecure: bool = False
+
+
+@dataclasses.dataclass
+class Operation(Model):
+    """Long work (a snapshot build). ``status`` is running, succeeded or
+    failed; ``progress`` holds the latest progress lines and
+    ``progress_lines`` counts every line ever reported."""
+
+    id: str = ""
+    kind: str = ""
+    status: str = ""
+    snapshot: str = ""
+    error: Optional[ErrorInfo] = None
+    created: Optional[datetime] = None
+    finished: Optional[datetime] = None
+    progress: List[str] = dataclasses.field(default_factory=list)
+    progress_lines: int = 0
+
+
+@dataclasses.dataclass
+class NetworkRule(Model):
+    """Allows connections to ``cidr``, optionally for one protocol (tcp,
+    udp, icmp) and some ports ("443", "8000-8100")."""
+
+    cidr: str = ""
+    proto: str = ""
+    ports: List[str] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class NetworkSpec(Model):
+    """A sandbox's egress policy (allow, deny, allowlist) and, at create,
+    the guest ports to publish."""
+
+    egress: str = ""
+    allow: List[NetworkRule] = dataclasses.field(default_factory=list)
+    publish: List[int] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class PublishedPort(Model):
+    """A guest port reachable on a host port."""
+
+    proto: str = ""
+    guest_port: int = 0
+    host_port: int = 0
+
+
+@dataclasses.dataclass
+class SandboxNetwork(Model):
+    """A sandbox's own network as it stands."""
+
+    address: str = ""
+    egress: str = ""
+    allow: List[NetworkRule] = dataclasses.field(default_factory=list)
+    ports: List[PublishedPort] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class Limits(Model):
+    """Resource limits of a sandbox; zero fields set none. Each needs the
+    daemon to run as root."""
+
+    memory_limit_mib: int = 0
+    cpus: float = 0.0
+    pids_limit: int = 0
+    io_weight: int = 0
+    io_read_bps: int = 0
+    io_write_bps: int = 0
+
+
+@dataclasses.dataclass
+class Sandbox(Model):
+    """One child VM. ``status``: starting, running, unresponsive, dead,
+    oom. The limits in force sit in the sandbox itself."""
+
+    id: str = ""
+    snapshot_tag: str = ""
+    status: str = ""
+    pid: int = 0
+    created: Optional[datetime] = None
+    ready_ms: int = 0
+    expires_at: Optional[datetime] = None
+    metadata: Dict[str, str] = dataclasses.field(default_factory=dict)
+    memory_limit_mib: int = 0
+    cpus: float = 0.0
+    pids_limit: int = 0
+    io_weight: int = 0
+    io_read_bps: int = 0
+    io_write_bps: int = 0
+    network: Optional[SandboxNetwork] = None
+    on_unresponsive: str = ""
+
+
+@dataclasses.dataclass
+class ChildFailure(Model):
+    """A child of a batch that did not come up (keep_partial)."""
+
+    id: str = ""
+    error: Optional[ErrorInfo] = None
+
+
+@dataclasses.dataclass
+class CreateSandboxesResponse(Model):
+    """POST /v1/sandboxes and POST /v1/sandboxes/{id}/fork."""
+
+    sandboxes: List[Sandbox] = dataclasses.field(default_factory=list)
+    failed: List[ChildFailure] = dataclasses.field(default_factory=list)
+    wall_ms: float = 0.0
+
+
+def _text(s: str, b: Optional[bytes]) -> bytes:
+    return b if b is not None else s.encode()
+
+
+@dataclasses.dataclass
+class ExecResult(Model):
+    """How a process ended. ``exit_code`` is -1 when a signal ended it.
+    Buffered output is in ``stdout``/``stderr`` when valid UTF-8, else in
+    ``stdout_b64``/``stderr_b64``; ``stdout_bytes`` gives it either way."""
+
+    exit_code: int = 0
+    signal: str = ""
+    timed_out: bool = False
+    duration_ms: int = 0
+    stdout: str = ""
+    stderr: str = ""
+    stdout_b64: Optional[bytes] = None
+    stderr_b64: Optional[bytes] = None
+    truncated: bool = False
+
+    @property
+    def stdout_bytes(self) -> bytes:
+        return _text(self.stdout, self.stdout_b64)
+
+    @property
+    def stderr_bytes(self) -> bytes:
+        return _text(self.stderr, self.stderr_b64)
+
+
+@dataclasses.dataclass
+class EvalError(Model):
+    """An exception raised by evaluated code."""
+
+    name: str = ""
+    message: str = ""
+    traceback: str = ""
+
+
+@dataclasses.dataclass
+class EvalResult(Model):
+    """The outcome of an eval: ``value`` is repr() of the last expression;
+    an exception or a timeout of the code is reported here, not raised."""
+
+    value: str = ""
+    stdout: str = ""
+    stderr: str = ""
+    truncated: bool = False
+    error: Optional[EvalError] = None
+    timed_out: bool = False
+    restarted: bool = False
+    duration_ms: int = 0
+
+
+@dataclasses.dataclass
+class StreamEvent(Model):
+    """One NDJSON line of a streamed exec, eval or process: ``type`` is
+    stdout, stderr, exit (``exec`` set), result (``eval`` set) or error."""
+
+    type: str = ""
+    data: str = ""
+    data_b64: Optional[bytes] = None
+    exec: Optional[ExecResult] = None
+    eval: Optional[EvalResult] = None
+    error: Optional[ErrorInfo] = None
+
+    @property
+    def payload(self) -> bytes:
+        """The output of a stdout or stderr event, as bytes."""
+        return _text(self.data, self.data_b64)
+
+
+@dataclasses.dataclass
+class PingResult(Model):
+    """POST /v1/sandboxes/{id}/ping."""
+
+    agent_version: str = ""
+    protocol_version: int = 0
+    uptime_ms: int = 0
+    hostname: str = ""
+    features: List[str] = dataclasses.field(default_factory=list)
+    python_ready: bool = False
+    latency_ms: float = 0.0
+
+
+@dataclasses.dataclass
+class FileInfo(Model):
+    """One guest path (a final symlink is not followed). ``type`` is file,
+    dir, symlink or other."""
+
+    name: str = ""
+    path: str = ""
+    type: str = ""
+    size: int = 0
+    mode: int = 0
+    mtime: Optional[datetime] = None
+    target: str = ""
+
+
+@dataclasses.dataclass
+class WriteFileResult(Model):
+    """PUT /v1/sandboxes/{id}/files."""
+
+    path: str = ""
+    bytes: int = 0
+
+
+@dataclasses.dataclass
+class Workspace(Model):
+    """A named, long-lived sandbox; ``status`` is running or suspended."""
+
+    name: str = ""
+    snapshot: str = ""
+    status: str = ""
+    sandbox: str = ""
+    states: List[str] = dataclasses.field(default_factory=list)
+    created: Optional[datetime] = None
+    updated: Optional[datetime] = None
+
+
+@dataclasses.dataclass
+class Process(Model):
+    """A background process; ``result`` is set once it has ended."""
+
+    pid: int = 0
+    tag: str = ""
+    args: List[str] = dataclasses.field(default_factory=list)
+    cwd: str = ""
+    started_at: Optional[datetime] = None
+    running: bool = False
+    result: Optional[ExecResult] = None

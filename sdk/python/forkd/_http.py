@@ -251,6 +251,12 @@ class Transport:
         for conn, _ in idle:
             conn.close()
 
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # at interpreter exit
+            pass
+
     # -- requests ---------------------------------------------------------
 
     def _target(self, path: str, query: Query) -> str:

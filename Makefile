@@ -10,7 +10,7 @@ FORKD_TEST_CACHE ?= /var/tmp/forkd-test-cache
 # Packages whose tests run in CI; everything under ./...
 PKGS ?= ./...
 
-.PHONY: all build deps quickstart test unit root vm lint vet fmt-check fuzz clean
+.PHONY: all build deps quickstart test unit root vm lint vet fmt-check fuzz clean sdk-python
 
 all: build
 
@@ -65,3 +65,7 @@ test: deps build vet fmt-check lint unit vm fuzz
 
 clean:
 	rm -rf bin
+
+# The Python SDK's tests alone (e2e's TestPythonSDK runs them in `make vm`).
+sdk-python: build
+	PYTHONDONTWRITEBYTECODE=1 FORKD_CACHE=$(FORKD_TEST_CACHE)/image python3 -m unittest discover -s sdk/python/tests -v

@@ -292,10 +292,11 @@ class Transport:
         retry: bool = True,
     ) -> Response:
         """Sends a request and returns its response once its status is 2xx
-        (its body unread); raises the error of its class otherwise. 429 and
-        503 answers (the daemon refused before acting) are retried, with
-        exponential backoff honouring Retry-After, when the body can be
-        sent again."""
+        (its body unread); raises the error of its class otherwise. Answers
+        the daemon gives before acting are retried, at most max_retries
+        times, with exponential backoff honouring Retry-After, when the body
+        can be sent again: 429 always, 503 for idempotent methods or with a
+        Retry-After."""
         target = self._target(path, query)
         hdrs = self._headers(content_type, headers)
         wait = self._wait(timeout)
@@ -305,12 +306,16 @@ class Transport:
             resp = self._once(method, target, body, hdrs, wait, rewind)
             if 200 <= resp.status < 300:
                 return resp
+            ra = retry_after(resp.headers.get("Retry-After"))
             err = _decode_error(resp)
-            can = retry and rewind is not None and attempt < self.max_retries and resp.status in (429, 503)
-            if not can:
+            # 429 is an admission refusal: nothing was done. 503 may also
+            # come from a guest lost in the middle of a call, so a request
+            # that is not idempotent goes again only when the daemon says
+            # when (Retry-After).
+            refused = resp.status == 429 or (resp.status == 503 and (method in IDEMPOTENT or ra is not None))
+            if not (retry and refused and rewind is not None and attempt < self.max_retries):
                 raise err
             delay = min(self.max_backoff, self.backoff * (2 ** attempt)) * (0.5 + random.random() / 2)
-            ra = retry_after(resp.headers.get("Retry-After"))
             if ra is not None:
                 if ra > self.max_backoff * 4:
                     raise err  # longer than we are willing to wait

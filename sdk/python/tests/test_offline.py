@@ -197,7 +197,7 @@ class FakeDaemonTest(unittest.TestCase):
             self.assertEqual((cm2.exception.status, cm2.exception.message), (502, "bad gateway"))
 
     def test_retries_429_with_retry_after(self) -> None:
-        Recorder.script = [(429, {"Retry-After": "0"}, err("resource_exhausted")), (503, {}, err("unavailable")), (201, {}, b'{"sandboxes":[{"id":"sb-y"}]}')]
+        Recorder.script = [(429, {"Retry-After": "0"}, err("resource_exhausted")), (503, {"Retry-After": "0"}, err("unavailable")), (201, {}, b'{"sandboxes":[{"id":"sb-y"}]}')]
         delays: List[float] = []
         with Controller(url=self.url, token="t", max_retries=3) as c:
             c.transport.backoff = 0.01
@@ -206,6 +206,19 @@ class FakeDaemonTest(unittest.TestCase):
         self.assertEqual(len(Recorder.seen), 3)
         self.assertEqual(len(delays), 2)
         self.assertTrue(all(s["body"] == Recorder.seen[0]["body"] for s in Recorder.seen))
+
+    def test_503_retried_only_when_safe(self) -> None:
+        # A POST that met a 503 without Retry-After may have acted (a guest
+        # lost mid-call): not sent again. A GET is.
+        Recorder.script = [(503, {}, err("unavailable")), (200, {}, b'{"exit_code": 0}')]
+        with Controller(url=self.url, token="t") as c:
+            c.transport.backoff = 0.01
+            with self.assertRaises(UnavailableError):
+                c.exec("sb-1", ["true"])
+            self.assertEqual(len(Recorder.seen), 1)
+            Recorder.script = [(503, {}, err("unavailable")), (200, {}, b'{"sandboxes": []}')]
+            self.assertEqual(c.list_sandboxes(), [])
+            self.assertEqual(len(Recorder.seen), 3)
 
     def test_retries_are_bounded(self) -> None:
         Recorder.script = [(429, {"Retry-After": "0"}, err("resource_exhausted"))]

@@ -133,6 +133,16 @@ class Response:
         finally:
             self.close()
 
+    def drain(self, limit: int = 64 << 10) -> None:
+        """Reads what is left of a body that should be at its end (a stream
+        after its last event) so that the connection can be kept; closes
+        it when more than limit bytes remain."""
+        try:
+            self.raw.read(limit)
+        except (OSError, http.client.HTTPException):
+            pass
+        self.close()
+
     def json(self) -> Any:
         b = self.read()
         return json.loads(b) if b else None

@@ -257,9 +257,11 @@ class Controller:
                 if ev.type == "error":
                     e = ev.error
                     raise error_for(e.code if e else None, e.message if e else "error event without error")
-                yield ev
                 if ev.type not in ("stdout", "stderr"):
+                    resp.drain()
+                    yield ev
                     return
+                yield ev
         except OSError as e:
             if isinstance(e, TimeoutError) or type(e).__name__ == "timeout":
                 raise DeadlineExceededError(f"{what}: no event within the wait", status=0) from e

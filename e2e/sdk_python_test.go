@@ -27,6 +27,10 @@ func TestPythonSDK(t *testing.T) {
 	defer cancel()
 	cmd := exec.CommandContext(ctx, py, "-m", "unittest", "discover", "-s", filepath.Join("sdk", "python", "tests"), "-v")
 	cmd.Dir = ".."
+	// On timeout, interrupt: the tests then kill their sandboxes and stop
+	// their daemon (atexit) instead of leaving them running.
+	cmd.Cancel = func() error { return cmd.Process.Signal(os.Interrupt) }
+	cmd.WaitDelay = 2 * time.Minute
 	cmd.Env = append(os.Environ(),
 		"FORKD_BIN="+forkdBin,
 		"FORKD_AGENT="+testvm.AgentBinary(t),

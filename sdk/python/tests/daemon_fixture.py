@@ -9,6 +9,7 @@ image) are skipped, or fail when $FORKD_TEST_STRICT=1, as the Go tiers do.
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import signal
@@ -89,6 +90,7 @@ class Daemon:
         self.tags: List[str] = []
         self.proc: Optional[subprocess.Popen] = None
         self.args = ["serve", "--socket", self.sock, "--listen", f"127.0.0.1:{self.port}", *extra]
+        atexit.register(self.stop)  # also when interrupted before tearDownModule
         self.start()
 
     def start(self) -> None:

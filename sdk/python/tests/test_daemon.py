@@ -29,7 +29,6 @@ from forkd import (
     FileType,
     ForkdError,
     InvalidArgumentError,
-    Limits,
     NotFoundError,
     ResourceExhaustedError,
     Sandbox,

@@ -14,7 +14,7 @@ import sys
 import tempfile
 import threading
 import unittest
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Tuple
 from unittest import mock
 
 import daemon_fixture  # noqa: F401  (puts the SDK on sys.path)

@@ -13,7 +13,7 @@ import re
 import sys
 import typing
 from datetime import datetime, timedelta, timezone
-from typing import Any, Dict, List, Optional, Type, TypeVar, Union
+from typing import Any, Callable, Dict, List, Optional, Type, TypeVar, Union
 
 __all__ = [
     "VersionInfo",
@@ -44,7 +44,7 @@ __all__ = [
 
 T = TypeVar("T", bound="Model")
 
-_TIME = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(\.\d+)?(Z|[+-]\d\d:\d\d)$")
+_TIME = re.compile(r"^(\d{4})-(\d\d)-(\d\d)T(\d\d):(\d\d):(\d\d)(\.\d+)?(Z|[+-]\d\d:\d\d)$")
 
 
 def parse_time(s: Optional[str]) -> Optional[datetime]:
@@ -55,42 +55,47 @@ def parse_time(s: Optional[str]) -> Optional[datetime]:
     m = _TIME.match(s)
     if not m:
         raise ValueError(f"bad time {s!r}")
-    base, frac, tz = m.groups()
-    if base.startswith("0001-01-01"):
+    y, mo, d, h, mi, sec, frac, tz = m.groups()
+    if y == "0001" and mo == "01" and d == "01":
         return None
     micro = int((frac or ".0")[1:7].ljust(6, "0"))
-    t = datetime.strptime(base, "%Y-%m-%dT%H:%M:%S").replace(microsecond=micro)
     if tz == "Z":
-        return t.replace(tzinfo=timezone.utc)
-    sign = 1 if tz[0] == "+" else -1
-    off = timedelta(hours=int(tz[1:3]), minutes=int(tz[4:6]))
-    return t.replace(tzinfo=timezone(sign * off))
+        tzinfo = timezone.utc
+    else:
+        off = timedelta(hours=int(tz[1:3]), minutes=int(tz[4:6]))
+        tzinfo = timezone(off if tz[0] == "+" else -off)
+    return datetime(int(y), int(mo), int(d), int(h), int(mi), int(sec), micro, tzinfo=tzinfo)
 
 
-_hints: Dict[type, Dict[str, Any]] = {}
+Decoder = Callable[[Any], Any]
 
 
-def _decode(tp: Any, v: Any) -> Any:
-    if v is None:
-        return None
+def _decoder(tp: Any) -> Decoder:
+    """How to turn a JSON value into a value of type tp (compiled once per
+    field)."""
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if origin is Union:
         inner = [a for a in args if a is not type(None)]
-        return _decode(inner[0], v)
+        return _decoder(inner[0])
     if origin in (list, List):
-        return [_decode(args[0], x) for x in v]
+        item = _decoder(args[0])
+        return lambda v: [item(x) for x in v]
     if origin in (dict, Dict):
-        return {k: _decode(args[1], x) for k, x in v.items()}
+        val = _decoder(args[1])
+        return lambda v: {k: val(x) for k, x in v.items()}
     if tp is datetime:
-        return parse_time(v)
+        return parse_time
     if tp is bytes:
-        return base64.b64decode(v)
+        return base64.b64decode
     if tp is float:
-        return float(v)
+        return float
     if isinstance(tp, type) and issubclass(tp, Model):
-        return tp.from_dict(v)
-    return v
+        return lambda v: tp.from_dict(v)
+    return lambda v: v
+
+
+_decoders: Dict[type, Dict[str, Decoder]] = {}
 
 
 class Model:
@@ -98,16 +103,13 @@ class Model:
 
     @classmethod
     def from_dict(cls: Type[T], d: Dict[str, Any]) -> T:
-        hints = _hints.get(cls)
-        if hints is None:
+        decs = _decoders.get(cls)
+        if decs is None:
             mod = sys.modules[cls.__module__].__dict__
             hints = typing.get_type_hints(cls, globalns=mod, localns=mod)
-            _hints[cls] = hints
-        kw = {}
-        for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-            if f.name in d:
-                kw[f.name] = _decode(hints[f.name], d[f.name])
-        return cls(**kw)
+            decs = {f.name: _decoder(hints[f.name]) for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+            _decoders[cls] = decs
+        return cls(**{k: (None if v is None else decs[k](v)) for k, v in d.items() if k in decs})
 
     def to_dict(self) -> Dict[str, Any]:
         """The JSON object of this value, without its empty fields (the

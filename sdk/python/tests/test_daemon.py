@@ -43,6 +43,25 @@ PY_ERROR: Optional[str] = None  # why there is no python snapshot
 PROGRESS: List[str] = []
 
 
+def _wait_build(c: Controller, tag: str, image: str, op: str, progress: Optional[List[str]] = None) -> None:
+    """Waits for a snapshot build; one that failed is built again once. A
+    parent VM on a machine loaded far past its cores can miss its boot
+    deadline: that is the daemon's limit, not what these tests test."""
+    assert D is not None
+    try:
+        c.wait_operation(op, progress=progress.append if progress is not None else None, timeout=900)
+        return
+    except ForkdError as e:
+        log(f"snapshot {tag} failed ({e}); building it once more")
+    try:
+        c.delete_snapshot(tag)
+    except ForkdError:
+        pass
+    if progress is not None:
+        progress.clear()
+    c.wait_operation(D.build(tag, image), progress=progress.append if progress is not None else None, timeout=900)
+
+
 def setUpModule() -> None:
     global D, PY_ERROR
     require_vm()
@@ -56,11 +75,11 @@ def setUpModule() -> None:
             op_py = D.build(PY, "python")  # debootstrap: root only
         else:
             PY_ERROR = "the python image is built with debootstrap, as root"
-        c.wait_operation(op_min, progress=PROGRESS.append, timeout=600)
+        _wait_build(c, MIN, "minimal", op_min, PROGRESS)
         log(f"snapshot {MIN} ready after {time.monotonic() - t0:.1f}s")
         if op_py is not None:
             try:
-                c.wait_operation(op_py, timeout=900)
+                _wait_build(c, PY, "python", op_py)
                 log(f"snapshot {PY} ready after {time.monotonic() - t0:.1f}s")
             except ForkdError as e:
                 PY_ERROR = f"python snapshot: {e}"
@@ -113,8 +132,8 @@ class ControllerTest(unittest.TestCase):
         self.assertIn(MIN, [x.tag for x in self.c.list_snapshots()])
         info = self.c.snapshot_info(MIN)
         self.assertEqual(info.logical_bytes, s.memory_mib << 20)
-        ops = [o for o in self.c.list_operations() if o.snapshot == MIN]
-        self.assertEqual(ops[0].status, "succeeded")
+        ops = [o for o in self.c.list_operations() if o.snapshot == MIN and o.status == "succeeded"]
+        self.assertEqual(len(ops), 1)
         self.assertEqual(self.c.get_operation(ops[0].id).id, ops[0].id)
         self.assertTrue(PROGRESS, "wait_operation passed no progress line")
         self.assertEqual(len(PROGRESS), ops[0].progress_lines)

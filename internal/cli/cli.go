@@ -122,6 +122,7 @@ func newRoot(g *globals) *cobra.Command {
 		newWorkspaceCmd(g),
 		newRunCmd(g),
 		newPingCmd(g),
+		newMCPCmd(g),
 	)
 	return root
 }

@@ -129,12 +129,19 @@ func samePath(a, b string) bool {
 // data dir's engine (localAPI), shut down by done. Either way the command
 // has one code path.
 func (g *globals) api(ctx context.Context) (c *client.Client, done func(), err error) {
+	return g.apiFor(ctx, false)
+}
+
+// apiFor is api; with longLived, an in-process server also kills
+// sandboxes at their deadline while the command runs, as a daemon does
+// (a command that serves others for long: forkd mcp).
+func (g *globals) apiFor(ctx context.Context, longLived bool) (c *client.Client, done func(), err error) {
 	if c, err := g.remote(ctx); err != nil {
 		return nil, nil, err
 	} else if c != nil {
 		return c, c.Close, nil
 	}
-	return g.localAPI()
+	return g.localAPI(longLived)
 }
 
 // needRemote is remote for commands that only exist through a daemon.

@@ -5,6 +5,7 @@ import (
 	"crypto/tls"
 	"fmt"
 	"io"
+	"log/slog"
 	"net"
 	"os"
 	"path/filepath"
@@ -19,6 +20,7 @@ import (
 	"github.com/forkd/forkd/client"
 	"github.com/forkd/forkd/internal/errdefs"
 	"github.com/forkd/forkd/internal/loopback"
+	"github.com/forkd/forkd/internal/mcp"
 	"github.com/forkd/forkd/internal/sandbox"
 	"github.com/forkd/forkd/internal/server"
 )
@@ -255,6 +257,7 @@ func serve(ctx context.Context, g *globals, o serveOptions) error {
 		return err
 	}
 	events.set(srv.Event)
+	stopMCP := mountMCP(srv, log)
 
 	var lns []net.Listener
 	defer func() {
@@ -296,8 +299,29 @@ func serve(ctx context.Context, g *globals, o serveOptions) error {
 	go exp.Run(sctx)
 	err = srv.Serve(ctx, o.grace, lns...)
 	stop()
+	stopMCP(o.grace)
 	fmt.Fprintln(g.stderr, "forkd: stopped; sandboxes keep running")
 	return err
+}
+
+// mountMCP serves the MCP tools at /mcp (streamable HTTP) behind the
+// daemon's authentication (server.Mount). Their client talks to this same
+// server in-process (server.Pipe), as a trusted local caller: the /mcp
+// request was authenticated, and its tools' REST calls are audited as the
+// daemon's own uid. stop ends the in-process connection once the daemon
+// has stopped serving.
+func mountMCP(srv *server.Server, log *slog.Logger) (stop func(grace time.Duration)) {
+	dial, shutdown := srv.Pipe()
+	c := client.NewDialer("this daemon", dial)
+	srv.Mount("/mcp", mcp.Handler(mcp.New(c, mcp.Options{Version: Version, Logger: log}), log))
+	return func(grace time.Duration) {
+		c.Close()
+		ctx, cancel := context.WithTimeout(context.Background(), grace)
+		defer cancel()
+		if err := shutdown(ctx); err != nil {
+			log.Warn("stop the MCP endpoint's in-process connection", "err", err)
+		}
+	}
 }
 
 // isLoopback reports whether a listen address binds only loopback.
@@ -361,14 +385,18 @@ func openAudit(flag, dir string, stderr io.Writer) (io.Writer, func(), error) {
 // the one code path it has through a daemon. done shuts the server down,
 // waiting for requests in flight and undoing background work an
 // interrupted command leaves (a snapshot build), and closes the engine.
-func (g *globals) localAPI() (*client.Client, func(), error) {
+// With expire, the process also kills sandboxes at their deadline while
+// it runs, as the daemon does (for a long-lived command: forkd mcp).
+func (g *globals) localAPI(expire bool) (*client.Client, func(), error) {
 	e, err := g.openEngine(func(c *sandbox.Config) { c.Progress = io.Discard })
 	if err != nil {
 		return nil, nil, err
 	}
+	exp := sandbox.NewExpirer(e)
 	srv, err := server.New(server.Config{
 		Engine:   e,
 		Admitter: sandbox.NewAdmitter(e, sandbox.Admission{}),
+		Expirer:  exp,
 		Local:    true,
 		Logger:   g.logger(),
 		Version:  Version,
@@ -377,9 +405,17 @@ func (g *globals) localAPI() (*client.Client, func(), error) {
 		e.Close()
 		return nil, nil, err
 	}
+	stopExpiry := func() {}
+	if expire {
+		ctx, cancel := context.WithCancel(context.Background())
+		stopped := make(chan struct{})
+		go func() { exp.Run(ctx); close(stopped) }()
+		stopExpiry = func() { cancel(); <-stopped }
+	}
 	dial, shutdown := srv.Pipe()
 	c := client.NewDialer("the data dir "+e.Config().DataDir, dial)
 	return c, func() {
+		stopExpiry()
 		c.Close()
 		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 		defer cancel()

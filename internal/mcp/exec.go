@@ -9,6 +9,7 @@ import (
 
 	apiv1 "github.com/forkd/forkd/api/v1"
 	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/request"
 )
 
 type execArgs struct {
@@ -179,6 +180,9 @@ func (t *tools) exec(ctx context.Context, c *call, in *execArgs) (*execResult, e
 	if in.Stdin != "" {
 		req.Stdin = []byte(in.Stdin)
 	}
+	if _, err := request.Exec(&req); err != nil {
+		return nil, err
+	}
 	stdout, stderr := newCapture(MaxField), newCapture(MaxField)
 	defer c.progress().heartbeat(ctx, "running")()
 	res, err := t.c.ExecStream(ctx, in.ID, req, nil, stdout, stderr)
@@ -207,7 +211,11 @@ func (t *tools) runCode(ctx context.Context, c *call, in *codeArgs) (*codeResult
 	}
 	stdout, stderr := newCapture(MaxField), newCapture(MaxField)
 	defer c.progress().heartbeat(ctx, "running")()
-	res, err := t.c.EvalStream(ctx, in.ID, apiv1.EvalRequest{Code: in.Code, TimeoutSecs: secs}, stdout, stderr)
+	req := apiv1.EvalRequest{Code: in.Code, TimeoutSecs: secs}
+	if _, err := request.Eval(&req); err != nil {
+		return nil, err
+	}
+	res, err := t.c.EvalStream(ctx, in.ID, req, stdout, stderr)
 	if err != nil {
 		return nil, notFoundSandbox(in.ID, err)
 	}

@@ -23,7 +23,8 @@ import (
 // of answers, errors and large outputs. The VM tier (e2e) runs them
 // against the real daemon.
 type fakeDaemon struct {
-	t     *testing.T
+	t     testing.TB
+	url   string
 	mu    sync.Mutex
 	calls []string          // "METHOD /path", in order
 	files map[string]string // path -> content, of sandbox fakeID
@@ -36,10 +37,10 @@ type fakeDaemon struct {
 
 const fakeID = "sb-abcdefgh23"
 
-func newFake(t *testing.T) (*fakeDaemon, *sdk.ClientSession) { return newFakeWith(t, nil) }
+func newFake(t testing.TB) (*fakeDaemon, *sdk.ClientSession) { return newFakeWith(t, nil) }
 
 // newFakeWith is newFake with a client of options o.
-func newFakeWith(t *testing.T, o *sdk.ClientOptions) (*fakeDaemon, *sdk.ClientSession) {
+func newFakeWith(t testing.TB, o *sdk.ClientOptions) (*fakeDaemon, *sdk.ClientSession) {
 	f := &fakeDaemon{t: t, files: map[string]string{}}
 	mux := http.NewServeMux()
 	sb := apiv1.Sandbox{ID: fakeID, SnapshotTag: "base", Status: "running", Created: time.Unix(1700000000, 0)}
@@ -207,6 +208,7 @@ func newFakeWith(t *testing.T, o *sdk.ClientOptions) (*fakeDaemon, *sdk.ClientSe
 		mux.ServeHTTP(w, r)
 	}))
 	t.Cleanup(hs.Close)
+	f.url = hs.URL
 	c, err := client.New(hs.URL, "")
 	if err != nil {
 		t.Fatal(err)
@@ -215,7 +217,7 @@ func newFakeWith(t *testing.T, o *sdk.ClientOptions) (*fakeDaemon, *sdk.ClientSe
 }
 
 // connect is an SDK client session of s, in memory.
-func connect(t *testing.T, s *sdk.Server, o *sdk.ClientOptions) *sdk.ClientSession {
+func connect(t testing.TB, s *sdk.Server, o *sdk.ClientOptions) *sdk.ClientSession {
 	t.Helper()
 	ct, st := sdk.NewInMemoryTransports()
 	ctx := context.Background()

@@ -3,13 +3,17 @@ package mcp
 import (
 	"context"
 	"fmt"
+	"net/netip"
 	"strconv"
+	"strings"
 
 	sdk "github.com/modelcontextprotocol/go-sdk/mcp"
 
 	apiv1 "github.com/forkd/forkd/api/v1"
 	"github.com/forkd/forkd/client"
 	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/netns"
+	"github.com/forkd/forkd/internal/request"
 )
 
 func itoa(n int) string { return strconv.Itoa(n) }
@@ -38,7 +42,7 @@ type spawnArgs struct {
 }
 
 type ruleArgs struct {
-	CIDR  string   `json:"cidr" jsonschema:"an address or network, e.g. 1.1.1.1/32 or 10.0.0.0/8"`
+	CIDR  string   `json:"cidr" jsonschema:"an IPv4 network in CIDR form: 1.1.1.1/32 for one address, 10.0.0.0/8 for a range"`
 	Proto string   `json:"proto,omitempty" jsonschema:"tcp, udp or icmp (absent: all)"`
 	Ports []string `json:"ports,omitempty" jsonschema:"ports or ranges, e.g. 443 or 8000-8100 (absent: all)"`
 }
@@ -113,10 +117,21 @@ func checkRules(egress string, allow []ruleArgs) error {
 	}
 	for i, r := range allow {
 		if r.CIDR == "" {
-			return errdefs.InvalidArgument("allow[%d].cidr is empty: give an address or network such as 1.1.1.1/32", i)
+			return errdefs.InvalidArgument("allow[%d].cidr is empty: give a network such as 1.1.1.1/32", i)
+		}
+		if _, err := netip.ParsePrefix(r.CIDR); err != nil {
+			return errdefs.InvalidArgument("allow[%d].cidr %s: want CIDR form, such as 1.1.1.1/32 for one address or 10.0.0.0/8", i, errdefs.Quote(r.CIDR))
 		}
 		if err := checkOneOf(fmt.Sprintf("allow[%d].proto", i), r.Proto, "tcp", "udp", "icmp"); err != nil {
 			return err
+		}
+		if len(r.Ports) > 16 {
+			return errdefs.InvalidArgument("allow[%d].ports has %d entries; the limit is 16", i, len(r.Ports))
+		}
+		for _, p := range r.Ports {
+			if _, err := netns.ParsePortRange(p); err != nil {
+				return fmt.Errorf("allow[%d].ports: %w", i, err)
+			}
 		}
 	}
 	if egress == apiv1.EgressDeny && len(allow) > 0 {
@@ -130,8 +145,8 @@ func checkMetadata(md map[string]string) error {
 		return errdefs.InvalidArgument("metadata has %d keys; the limit is 64", len(md))
 	}
 	for k, v := range md {
-		if k == "" || len(k) > 128 || len(v) > 1024 {
-			return errdefs.InvalidArgument("metadata %s: keys are 1 to 128 bytes, values at most 1024", errdefs.Quote(k))
+		if k == "" || len(k) > 128 || len(v) > 1024 || strings.ContainsAny(k, "=\x00") {
+			return errdefs.InvalidArgument("metadata %s: keys are 1 to 128 bytes without '=', values at most 1024", errdefs.Quote(k))
 		}
 	}
 	return nil
@@ -170,6 +185,9 @@ func (t *tools) sandboxTools(s *sdk.Server) {
 				}
 			}
 			if err := checkOneOf("status", in.Status, "starting", "running", "unresponsive", "dead", "oom"); err != nil {
+				return nil, err
+			}
+			if err := checkMetadata(in.Metadata); err != nil {
 				return nil, err
 			}
 			list, err := t.c.ListSandboxes(ctx, client.ListOptions{Snapshot: in.SnapshotTag, Status: in.Status, Metadata: in.Metadata})
@@ -226,8 +244,12 @@ func (t *tools) sandboxTools(s *sdk.Server) {
 			if err := checkOneOf("mode", in.Mode, apiv1.BranchDiff, apiv1.BranchFull, apiv1.BranchLive); err != nil {
 				return nil, err
 			}
+			req := apiv1.BranchRequest{Tag: in.Tag, Mode: in.Mode}
+			if _, _, err := request.Branch(in.ID, &req); err != nil {
+				return nil, err
+			}
 			defer c.progress().heartbeat(ctx, "saving "+in.ID)()
-			sn, err := t.c.Branch(ctx, in.ID, apiv1.BranchRequest{Tag: in.Tag, Mode: in.Mode})
+			sn, err := t.c.Branch(ctx, in.ID, req)
 			if err != nil {
 				return nil, notFoundSandbox(in.ID, err)
 			}
@@ -259,7 +281,11 @@ func (t *tools) sandboxTools(s *sdk.Server) {
 			if err := checkRules(in.Egress, in.Allow); err != nil {
 				return nil, err
 			}
-			sb, err := t.c.SetNetwork(ctx, in.ID, apiv1.NetworkSpec{Egress: in.Egress, Allow: rules(in.Allow)})
+			spec := apiv1.NetworkSpec{Egress: in.Egress, Allow: rules(in.Allow)}
+			if _, err := request.NetworkPolicy(&spec); err != nil {
+				return nil, err
+			}
+			sb, err := t.c.SetNetwork(ctx, in.ID, spec)
 			if err != nil {
 				return nil, notFoundSandbox(in.ID, err)
 			}
@@ -324,6 +350,10 @@ func (t *tools) spawn(ctx context.Context, c *call, in *spawnArgs) (*spawnResult
 	if in.Egress != "" || len(in.Allow) > 0 || len(in.Publish) > 0 {
 		req.Network = &apiv1.NetworkSpec{Egress: in.Egress, Allow: rules(in.Allow), Publish: in.Publish}
 	}
+	// The API's own checks, the same function the daemon runs.
+	if _, err := request.ForkSpec(&req, maxSpawn); err != nil {
+		return nil, err
+	}
 	p := c.progress()
 	p.report(ctx, 0, float64(n), fmt.Sprintf("forking %d sandbox(es) from %s", n, in.SnapshotTag))
 	stop := p.heartbeat(ctx, fmt.Sprintf("forking %d sandbox(es) from %s", n, in.SnapshotTag))
@@ -356,10 +386,14 @@ func (t *tools) fork(ctx context.Context, c *call, in *forkArgs) (*spawnResult, 
 	if err := checkMetadata(in.Metadata); err != nil {
 		return nil, err
 	}
+	req := apiv1.ForkRequest{Count: n, Mode: in.Mode, TimeoutSecs: in.TimeoutSecs, Metadata: in.Metadata}
+	if _, _, err := request.ForkFrom(&req, maxSpawn); err != nil {
+		return nil, err
+	}
 	p := c.progress()
 	p.report(ctx, 0, float64(n), fmt.Sprintf("cloning %s %d time(s)", in.ID, n))
 	stop := p.heartbeat(ctx, fmt.Sprintf("cloning %s", in.ID))
-	res, err := t.c.ForkFrom(ctx, in.ID, apiv1.ForkRequest{Count: n, Mode: in.Mode, TimeoutSecs: in.TimeoutSecs, Metadata: in.Metadata})
+	res, err := t.c.ForkFrom(ctx, in.ID, req)
 	stop()
 	if err != nil {
 		return nil, notFoundSandbox(in.ID, err)

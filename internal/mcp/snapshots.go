@@ -12,6 +12,7 @@ import (
 	apiv1 "github.com/forkd/forkd/api/v1"
 	"github.com/forkd/forkd/internal/errdefs"
 	"github.com/forkd/forkd/internal/image"
+	"github.com/forkd/forkd/internal/request"
 )
 
 type noArgs struct{}
@@ -94,6 +95,10 @@ func (t *tools) createSnapshot(ctx context.Context, c *call, in *createSnapshotA
 	req := apiv1.CreateSnapshotRequest{Tag: in.Tag, Image: in.Image, MemoryMiB: in.MemoryMiB, VCPUs: in.VCPUs, Warmup: in.Warmup}
 	if in.OCIRef != "" {
 		req.OCI = &apiv1.OCISource{Ref: in.OCIRef, Preload: in.Preload, Extra: in.Extra}
+	}
+	// The API's own checks (the daemon confines local image paths).
+	if _, _, err := request.SnapshotSpec(&req, ""); err != nil {
+		return nil, err
 	}
 	op, err := t.c.CreateSnapshot(ctx, req)
 	if err != nil {

@@ -4,8 +4,12 @@
 set -eu
 here=$(cd "$(dirname "$0")" && pwd)
 missing=""
+# Names installed packages provide (nodesource's nodejs provides npm).
+provided=$(dpkg-query -W -f='${Status}|${Provides}\n' 2>/dev/null | grep '^install ok installed|' | cut -d'|' -f2 |
+	tr ',' '\n' | sed 's/([^)]*)//; s/^ *//; s/ *$//')
 for pkg in $(grep -v '^#' "$here/deps.txt" | tr -s ' \n' ' '); do
-	if ! dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed"; then
+	if ! dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" &&
+		! printf '%s\n' "$provided" | grep -qx "$pkg"; then
 		missing="$missing $pkg"
 	fi
 done

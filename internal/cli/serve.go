@@ -49,10 +49,11 @@ func newServeCmd(g *globals) *cobra.Command {
 		Long: `Run the controller daemon. It owns the data dir (the CLI then goes through it),
 re-adopts the sandboxes still running from an earlier run, reaps dead ones and
 anything of ours the store does not know, kills sandboxes at their deadline,
-and serves REST API v1 (GET /v1/openapi.json describes it).
+and serves REST API v1 (GET /v1/openapi.json describes it) and the MCP tools
+at /mcp (streamable HTTP, docs/mcp.md).
 
 The unix socket (mode 0600) trusts the kernel: root or the daemon's user. TCP
-callers need the bearer token in --token-file (created with 32 random bytes when
+callers (of /mcp too) need the bearer token in --token-file (created with 32 random bytes when
 missing). A non-loopback --listen needs TLS (--tls-cert/--tls-key) unless
 --allow-plaintext. SIGTERM stops the daemon; sandboxes keep running.`,
 		Args: cobra.NoArgs,

@@ -4,12 +4,15 @@ import (
 	"context"
 	"encoding/base64"
 	"encoding/json"
+	"net/http"
+	"net/http/httptest"
 	"slices"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/forkd/forkd/client"
 	"github.com/google/jsonschema-go/jsonschema"
 	sdk "github.com/modelcontextprotocol/go-sdk/mcp"
 )
@@ -327,5 +330,49 @@ func TestProgress(t *testing.T) {
 	defer mu.Unlock()
 	if !slices.Equal(msgs, want) {
 		t.Errorf("progress: %q, want %q", msgs, want)
+	}
+}
+
+// TestHTTPHandler: the stateless streamable HTTP handler serves the tools,
+// a long call's progress reaches the caller on the POST's own stream, and
+// GET (a standalone stream, which a stateless server has not) is 405.
+func TestHTTPHandler(t *testing.T) {
+	f, _ := newFake(t)
+	c, err := client.New(f.url, "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	hs := httptest.NewServer(Handler(New(c, Options{}), nil))
+	defer hs.Close()
+	var mu sync.Mutex
+	var msgs []string
+	cs, err := sdk.NewClient(&sdk.Implementation{Name: "test", Version: "1"}, &sdk.ClientOptions{
+		ProgressNotificationHandler: func(_ context.Context, req *sdk.ProgressNotificationClientRequest) {
+			mu.Lock()
+			msgs = append(msgs, req.Params.Message)
+			mu.Unlock()
+		}}).Connect(context.Background(), &sdk.StreamableClientTransport{Endpoint: hs.URL, DisableStandaloneSSE: true}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cs.Close()
+	res, err := cs.CallTool(context.Background(), &sdk.CallToolParams{Name: "create_snapshot", Arguments: map[string]any{"tag": "fresh"},
+		Meta: sdk.Meta{"progressToken": 7}})
+	if err != nil || res.IsError {
+		t.Fatalf("create_snapshot over HTTP: %v %+v", err, res)
+	}
+	mu.Lock()
+	got := slices.Clone(msgs)
+	mu.Unlock()
+	if !slices.Equal(got, []string{"kernel", "boot", "saved"}) {
+		t.Errorf("progress over HTTP: %q", got)
+	}
+	resp, err := http.Get(hs.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusMethodNotAllowed {
+		t.Errorf("GET: %d, want 405 (stateless: no standalone stream)", resp.StatusCode)
 	}
 }

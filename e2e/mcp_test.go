@@ -63,6 +63,9 @@ func TestMCP(t *testing.T) {
 		fmt.Sprint("MCP_BENCH=", benchCalls))
 	stdioRep := runMCPClient(t, c, dir, "client.mjs", "MCP_TRANSPORT=stdio", "FORKD_URL=unix://"+d.sock,
 		fmt.Sprint("MCP_BENCH=", benchCalls))
+	if len(httpRep.Progress["spawn_sandboxes"]) < 2 {
+		t.Errorf("progress over HTTP: %v", httpRep.Progress)
+	}
 	rounds := benchExec(t, c, d)
 	for _, r := range []struct {
 		name string
@@ -144,7 +147,7 @@ func npmCI(t *testing.T, rel string) string {
 // it says ok.
 func runMCPClient(t *testing.T, c *cli, dir, script string, extra ...string) mcpReport {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Minute)
 	defer cancel()
 	cmd := exec.CommandContext(ctx, "node", script)
 	cmd.Dir = dir

@@ -63,8 +63,9 @@ async function call(client, name, args, opts = {}) {
   return { ...res, text, data: res.structuredContent };
 }
 
+const client = new Client({ name: "forkd-e2e", version: "1.0.0" });
+
 async function main() {
-  const client = new Client({ name: "forkd-e2e", version: "1.0.0" });
   await client.connect(transport());
   const info = client.getServerVersion();
   check(info?.name === "forkd", "server name", info);
@@ -199,7 +200,6 @@ async function main() {
   check(r.isError && r.text.startsWith("not_found"), "killed sandbox is gone", r.text);
   step("kill_sandbox");
 
-  await client.close();
   report.ok = true;
 }
 
@@ -207,6 +207,8 @@ try {
   await main();
 } catch (e) {
   report.error = String(e?.stack ?? e);
-  process.exitCode = 1;
 }
-process.stdout.write(JSON.stringify(report) + "\n");
+// Closing ends forkd mcp (stdio) too; a failed session must not leave
+// either running.
+await client.close().catch(() => {});
+process.stdout.write(JSON.stringify(report) + "\n", () => process.exit(report.ok ? 0 : 1));

@@ -3,7 +3,6 @@ package e2e
 import (
 	"bytes"
 	"context"
-	"encoding/json"
 	"math"
 	"os"
 	"os/exec"
@@ -13,8 +12,6 @@ import (
 	"testing"
 	"time"
 
-	apiv1 "github.com/forkd/forkd/api/v1"
-	"github.com/forkd/forkd/client"
 	"github.com/forkd/forkd/internal/testutil"
 	"github.com/forkd/forkd/internal/testvm"
 )
@@ -64,89 +61,6 @@ func sdkPython(t *testing.T) string {
 	return testutil.RequireCommand(t, "python3")
 }
 
-// TestPythonSDKBench compares round trips of the Go client and the Python
-// SDK on the same daemon and sandboxes: exec of `true` (the SDK's
-// commands.run) and eval of 1+1 (its run_code), 30 calls of each, in 3
-// rounds of 10 that alternate which side goes first, so that both meet the
-// same load; p50/p90 printed as one JSON document. Opt in with
-// FORKD_SDK_BENCH=1.
-func TestPythonSDKBench(t *testing.T) {
-	if os.Getenv("FORKD_SDK_BENCH") != "1" {
-		t.Skip("set FORKD_SDK_BENCH=1 to compare the Go client's and the Python SDK's round trips")
-	}
-	testutil.RequireRoot(t)
-	c := newCLI(t)
-	d := startServe(t, c, "--pool", "1")
-	uc, err := client.New("unix://"+d.sock, "")
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx := context.Background()
-	var ops []string
-	for _, s := range [][2]string{{"bench-min", "minimal"}, {"bench-py", "python"}} {
-		op, err := uc.CreateSnapshot(ctx, apiv1.CreateSnapshotRequest{Tag: s[0], Image: s[1]})
-		if err != nil {
-			t.Fatal(err)
-		}
-		ops = append(ops, op.ID)
-	}
-	for _, id := range ops {
-		if _, err := uc.WaitOperation(ctx, id); err != nil {
-			t.Fatal(err)
-		}
-	}
-	child := func(tag string) string {
-		res, err := uc.CreateSandboxes(ctx, apiv1.CreateSandboxesRequest{SnapshotTag: tag})
-		if err != nil {
-			t.Fatal(err)
-		}
-		return res.Sandboxes[0].ID
-	}
-	sb, py := child("bench-min"), child("bench-py")
-	calls := []struct {
-		name string
-		fn   func() error
-	}{
-		{"Exec(shell: true)", func() error { _, err := uc.Exec(ctx, sb, apiv1.ExecRequest{Shell: "true"}); return err }},
-		{"Exec(args: [true])", func() error { _, err := uc.Exec(ctx, sb, apiv1.ExecRequest{Args: []string{"true"}}); return err }},
-		{"Eval(1+1)", func() error { _, err := uc.Eval(ctx, py, apiv1.EvalRequest{Code: "1+1"}); return err }},
-		{"GetSandbox (no guest)", func() error { _, err := uc.GetSandbox(ctx, sb); return err }},
-	}
-	const rounds, per = 3, 10
-	goMS, pyMS := map[string][]float64{}, map[string][]float64{}
-	goRound := func() {
-		for _, call := range calls {
-			goMS[call.name] = append(goMS[call.name], timeCalls(t, per, call.fn)...)
-		}
-	}
-	pyRound := func() {
-		for name, ms := range runBenchPy(t, d.sock, sb, py, per) {
-			pyMS[name] = append(pyMS[name], ms...)
-		}
-	}
-	for r := range rounds {
-		if r%2 == 0 {
-			goRound()
-			pyRound()
-		} else {
-			pyRound()
-			goRound()
-		}
-	}
-	summary := func(m map[string][]float64) map[string]roundTrips {
-		out := map[string]roundTrips{}
-		for name, ms := range m {
-			out[name] = quantiles(ms)
-		}
-		return out
-	}
-	b, _ := json.MarshalIndent(map[string]any{
-		"calls": rounds * per, "rounds": rounds, "socket": "unix",
-		"go_client": summary(goMS), "python_sdk": summary(pyMS),
-	}, "", "  ")
-	t.Logf("round trips:\n%s", b)
-}
-
 // runBenchPy runs sdk/python/bench.py for n calls of each of its
 // measures and returns every call's time by measure.
 func runBenchPy(t *testing.T, sock, sb, py string, n int) map[string][]float64 {
@@ -154,25 +68,7 @@ func runBenchPy(t *testing.T, sock, sb, py string, n int) map[string][]float64 {
 	cmd := exec.Command(sdkPython(t), filepath.Join("..", "sdk", "python", "bench.py"),
 		"--socket", sock, "--sandbox", sb, "--python-sandbox", py, "-n", strconv.Itoa(n), "--warmup", "1", "--samples")
 	cmd.Env = append(os.Environ(), "PYTHONDONTWRITEBYTECODE=1")
-	var errb bytes.Buffer
-	cmd.Stderr = &errb
-	out, err := cmd.Output()
-	if err != nil {
-		t.Fatalf("bench.py: %v\n%s", err, errb.String())
-	}
-	var doc struct {
-		Results map[string]struct {
-			Samples []float64 `json:"samples_ms"`
-		} `json:"results"`
-	}
-	if err := json.Unmarshal(out, &doc); err != nil {
-		t.Fatalf("bench.py output %q: %v", out, err)
-	}
-	res := map[string][]float64{}
-	for name, r := range doc.Results {
-		res[name] = r.Samples
-	}
-	return res
+	return benchSamples(t, cmd)
 }
 
 // roundTrips are the quantiles of a call's wall time, in milliseconds.

@@ -22,10 +22,39 @@ func TestTypeScriptSDK(t *testing.T) {
 	testvm.Require(t)
 	testutil.RequireRoot(t) // the python image is built with debootstrap
 	testutil.RequireCommand(t, "node", "npm")
-	dir, err := filepath.Abs("../sdk/typescript")
-	testutil.Check(t, err)
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
 	defer cancel()
+	dir, run := buildTypeScriptSDK(ctx, t)
+	files, err := filepath.Glob(filepath.Join(dir, "test", "*.test.mjs"))
+	testutil.Check(t, err)
+	if len(files) == 0 {
+		t.Fatalf("no tests in %s/test", dir)
+	}
+	out := run("node", append([]string{"--test", "--test-reporter=spec"}, files...)...)
+	// The spec reporter ends with "ℹ tests 46", "ℹ pass 45", ...
+	counts := map[string]string{}
+	for _, m := range regexp.MustCompile(`(?m)^ℹ (tests|pass|skipped) (\d+)$`).FindAllStringSubmatch(out, -1) {
+		counts[m[1]] = m[2]
+	}
+	t.Logf("node --test: %s tests, %s passed, %s skipped", counts["tests"], counts["pass"], counts["skipped"])
+	if n := counts["skipped"]; n != "" && n != "0" {
+		t.Logf("node --test report:\n%s", out)
+		if testutil.Strict() {
+			t.Fatalf("node --test skipped %s tests (%s=1: none may skip here)", n, testutil.StrictEnv)
+		}
+	}
+}
+
+// buildTypeScriptSDK installs the SDK's pinned dependencies (npm ci) and
+// compiles it. It returns the SDK's directory and a runner of commands
+// there, with the environment its tests and bench read (this package's
+// binaries and image cache), that fails the test on a non-zero exit and
+// returns stdout and stderr together.
+func buildTypeScriptSDK(ctx context.Context, t *testing.T) (string, func(name string, args ...string) string) {
+	t.Helper()
+	testutil.RequireCommand(t, "node", "npm")
+	dir, err := filepath.Abs("../sdk/typescript")
+	testutil.Check(t, err)
 	env := append(os.Environ(),
 		"FORKD_BIN="+forkdBin,
 		"FORKD_AGENT="+testvm.AgentBinary(t),
@@ -49,19 +78,5 @@ func TestTypeScriptSDK(t *testing.T) {
 	}
 	run("npm", "ci", "--no-audit", "--no-fund", "--prefer-offline")
 	run("npm", "run", "build")
-	files, err := filepath.Glob(filepath.Join(dir, "test", "*.test.mjs"))
-	testutil.Check(t, err)
-	if len(files) == 0 {
-		t.Fatalf("no tests in %s/test", dir)
-	}
-	out := run("node", append([]string{"--test", "--test-reporter=spec"}, files...)...)
-	// The spec reporter ends with "ℹ tests 46", "ℹ pass 45", ...
-	counts := map[string]string{}
-	for _, m := range regexp.MustCompile(`(?m)^ℹ (tests|pass|skipped) (\d+)$`).FindAllStringSubmatch(out, -1) {
-		counts[m[1]] = m[2]
-	}
-	t.Logf("node --test: %s tests, %s passed, %s skipped", counts["tests"], counts["pass"], counts["skipped"])
-	if n := counts["skipped"]; n != "" && n != "0" {
-		t.Logf("node --test report:\n%s", out)
-	}
+	return dir, run
 }

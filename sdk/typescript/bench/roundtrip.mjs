@@ -6,7 +6,10 @@
 //   FORKD_URL=… BENCH_MINIMAL=tag BENCH_PYTHON=tag node bench/roundtrip.mjs   # an existing daemon and snapshots
 //
 // BENCH_N (default 30) calls per measure, BENCH_WARMUP (default 3);
-// BENCH_SDK_ONLY=1 runs sdk_only alone.
+// BENCH_SDK_ONLY=1 runs sdk_only alone. BENCH_SANDBOX=id and
+// BENCH_PYTHON_SANDBOX=id (with FORKD_URL) time those running sandboxes
+// alone, one transport, and print every call's time (samples_ms): what
+// e2e's TestSDKBench interleaves with the Go client and the Python SDK.
 // sdk_only is the same calls against a fake daemon in this process that
 // answers at once: what the SDK and Node's HTTP stacks cost.
 
@@ -28,7 +31,7 @@ function stats(ms) {
   return { n: s.length, p50: r(q(0.5)), p90: r(q(0.9)), min: r(s[0]), max: r(s.at(-1)), mean: r(s.reduce((a, b) => a + b, 0) / s.length) }
 }
 
-async function measure(fn) {
+async function measure(fn, samples = false) {
   for (let i = 0; i < WARMUP; i++) await fn()
   const ms = []
   for (let i = 0; i < N; i++) {
@@ -36,11 +39,31 @@ async function measure(fn) {
     await fn()
     ms.push(performance.now() - t)
   }
-  return stats(ms)
+  return samples ? { ...stats(ms), samples_ms: ms.map((x) => Math.round(x * 1000) / 1000) } : stats(ms)
 }
 
 if (process.env.BENCH_SDK_ONLY === '1') {
   console.log(JSON.stringify({ n: N, warmup: WARMUP, node: process.version, sdk_only: await sdkOnly() }, null, 2))
+  process.exit(0)
+}
+
+if (process.env.BENCH_SANDBOX) {
+  const ctl = new Controller({})
+  try {
+    const results = {}
+    const s = await Sandbox.connect(process.env.BENCH_SANDBOX, { controller: ctl })
+    results["commands.run('true')"] = await measure(() => s.commands.run('true'), true)
+    if (process.env.BENCH_PYTHON_SANDBOX) {
+      const p = await Sandbox.connect(process.env.BENCH_PYTHON_SANDBOX, { controller: ctl })
+      results["runCode('1+1')"] = await measure(async () => {
+        const x = await p.runCode('1+1')
+        if (x.text !== '2') throw new Error(`runCode('1+1') = ${x.text}`)
+      }, true)
+    }
+    console.log(JSON.stringify({ n: N, warmup: WARMUP, node: process.version, results }, null, 2))
+  } finally {
+    ctl.close()
+  }
   process.exit(0)
 }
 

@@ -1,6 +1,7 @@
 package bench
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"io"
@@ -221,14 +222,17 @@ func (b *brancher) dirtyBranch(ctx context.Context, tag, mode string) (*snapshot
 	if err != nil {
 		return nil, err
 	}
-	cmd := fmt.Sprintf("head -c %dM /dev/urandom > /tmp/dirty-%d", b.o.DirtyMiB, b.n)
-	r, err := c.Exec(ctx, agent.ExecRequest{Shell: cmd, Timeout: 5 * time.Minute})
+	// A byte count: busybox's head takes "m" as its MiB suffix, coreutils'
+	// "M"; both take a plain number.
+	cmd := fmt.Sprintf("head -c %d /dev/urandom > /tmp/dirty-%d", b.o.DirtyMiB<<20, b.n)
+	var stderr bytes.Buffer
+	r, err := c.Exec(ctx, agent.ExecRequest{Shell: cmd, Timeout: 5 * time.Minute, Stderr: &stderr})
 	release()
 	if err != nil {
 		return nil, err
 	}
 	if r.ExitCode != 0 {
-		return nil, fmt.Errorf("%s: exit %d", cmd, r.ExitCode)
+		return nil, fmt.Errorf("%s: exit %d: %s", cmd, r.ExitCode, bytes.TrimSpace(stderr.Bytes()))
 	}
 	b.n++
 	sn, err := b.e.Branch(ctx, sandbox.BranchSpec{ID: id, Tag: fmt.Sprintf("%s-b%d", tag, b.n), Mode: mode})

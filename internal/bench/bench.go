@@ -38,32 +38,33 @@ type Options struct {
 	Progress io.Writer
 }
 
-// Result is the JSON `forkd bench --json` prints. Keys only get added.
+// Result is the JSON `forkd bench --json` prints. Keys only get added; a
+// part the run did not measure (--branch-only) is left out.
 type Result struct {
 	Machine Machine `json:"machine"`
-	N       int     `json:"n"`
+	N       int     `json:"n,omitempty"`
 	Image   string  `json:"image"`
 
-	SnapshotMS float64 `json:"snapshot_ms"`
+	SnapshotMS float64 `json:"snapshot_ms,omitempty"`
 
-	ColdBootMS      float64 `json:"cold_boot_ms"`
-	ColdBoot        Summary `json:"cold_boot"`
-	ColdBootNWallMS float64 `json:"cold_boot_n_wall_ms"`
+	ColdBootMS      float64 `json:"cold_boot_ms,omitempty"`
+	ColdBoot        Summary `json:"cold_boot,omitzero"`
+	ColdBootNWallMS float64 `json:"cold_boot_n_wall_ms,omitempty"`
 
-	ForkNWallMS    float64 `json:"fork_n_wall_ms"`
-	ForkReadyP50MS float64 `json:"fork_ready_p50_ms"`
-	ForkReadyP90MS float64 `json:"fork_ready_p90_ms"`
-	ForkReady      Summary `json:"fork_ready"`
+	ForkNWallMS    float64 `json:"fork_n_wall_ms,omitempty"`
+	ForkReadyP50MS float64 `json:"fork_ready_p50_ms,omitempty"`
+	ForkReadyP90MS float64 `json:"fork_ready_p90_ms,omitempty"`
+	ForkReady      Summary `json:"fork_ready,omitzero"`
 
-	ChildPrivateMiB      float64 `json:"child_private_mib"`
-	ChildGuestPrivateMiB float64 `json:"child_guest_private_mib"`
-	ChildPrivate         Summary `json:"child_private_mib_dist"`
-	ChildGuestPrivate    Summary `json:"child_guest_private_mib_dist"`
+	ChildPrivateMiB      float64 `json:"child_private_mib,omitempty"`
+	ChildGuestPrivateMiB float64 `json:"child_guest_private_mib,omitempty"`
+	ChildPrivate         Summary `json:"child_private_mib_dist,omitzero"`
+	ChildGuestPrivate    Summary `json:"child_guest_private_mib_dist,omitzero"`
 
-	IdleCPUPctPerChild float64 `json:"idle_cpu_pct_per_child"`
+	IdleCPUPctPerChild float64 `json:"idle_cpu_pct_per_child,omitempty"`
 
-	ExecRoundtripP50MS float64 `json:"exec_roundtrip_p50_ms"`
-	ExecRoundtrip      Summary `json:"exec_roundtrip"`
+	ExecRoundtripP50MS float64 `json:"exec_roundtrip_p50_ms,omitempty"`
+	ExecRoundtrip      Summary `json:"exec_roundtrip,omitzero"`
 	CLIExecP50MS       float64 `json:"cli_exec_p50_ms,omitempty"`
 
 	// With a Python image, in the same child: eval in the warm interpreter
@@ -88,10 +89,10 @@ type Result struct {
 	// With --branch: branching, measured in the same run.
 	*BranchResult
 
-	ProcessForkP50MS   float64 `json:"baseline_process_fork_p50_ms"`
+	ProcessForkP50MS   float64 `json:"baseline_process_fork_p50_ms,omitempty"`
 	PythonStartP50MS   float64 `json:"baseline_python_c_p50_ms,omitempty"`
-	RatioColdNOverFork float64 `json:"ratio_cold_n_over_fork_n"`
-	RatioColdOverReady float64 `json:"ratio_cold_over_fork_ready_p50"`
+	RatioColdNOverFork float64 `json:"ratio_cold_n_over_fork_n,omitempty"`
+	RatioColdOverReady float64 `json:"ratio_cold_over_fork_ready_p50,omitempty"`
 }
 
 // Bounds of Options, named as forkd bench's flags.

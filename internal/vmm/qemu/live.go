@@ -7,12 +7,15 @@ import (
 	"fmt"
 	"hash/maphash"
 	"os"
+	"path/filepath"
+	"strconv"
 	"time"
 
 	"golang.org/x/sys/unix"
 
 	"github.com/forkd/forkd/internal/errdefs"
 	"github.com/forkd/forkd/internal/fsutil"
+	"github.com/forkd/forkd/internal/proc"
 	"github.com/forkd/forkd/internal/vmm"
 )
 
@@ -51,9 +54,11 @@ const (
 // coherency with TCG memory access", not in Debian 12's 7.2.22). Measured
 // here: tens of pages per save, and a child of such a save finds stale
 // kernel memory and hangs. So under TCG, before cont, every
-// page the guest has written since its restore (its private pages, from
-// /proc/PID/pagemap) is read back and sent again when it differs from what
-// was sent last (checkPages): the pause then also grows with those pages.
+// page the guest has written since the save started (its private pages
+// that are soft-dirty in /proc/PID/pagemap; every private page, written
+// since its restore, on a kernel without soft-dirty bits) is read back and
+// sent again when it differs from what was sent last (checkPages): the
+// pause then also grows with those pages.
 //
 // The capabilities set here (x-ignore-shared, events, auto-converge) stay
 // set in the process; its other migrations are forkd's too.
@@ -136,13 +141,15 @@ type liveSave struct {
 	// them; only the goroutine running the save touches it.
 	events int
 
-	// check says whether checkPages runs. sums holds, per guest page,
-	// the hash of what page last got; the consumer writes it until it
-	// ends, checkPages after.
-	check bool
-	seed  maphash.Seed
-	sums  []uint64
-	zero  uint64
+	// check says whether checkPages runs, and softDirty whether it reads
+	// only the pages written since the save started. sums holds, per
+	// guest page, the hash of what page last got; the consumer writes it
+	// until it ends, checkPages after.
+	check     bool
+	softDirty bool
+	seed      maphash.Seed
+	sums      []uint64
+	zero      uint64
 }
 
 type liveResult struct {
@@ -190,6 +197,11 @@ func (ls *liveSave) start(ctx context.Context) error {
 		state, pages, err := consumeLive(ls.conn, ls.ram.Size, ls.deliver)
 		ls.done <- liveResult{state: state, pages: pages, err: err}
 	}()
+	if ls.check && softDirtyWorks() {
+		// Before the first page is sent: checkPages then reads only
+		// what changed after. A failure leaves the full check.
+		ls.softDirty = clearSoftDirty(filepath.Join(proc.Root, strconv.Itoa(ls.m.handle.Process.PID))) == nil
+	}
 	if err := ls.q.execute(ctx, "migrate", map[string]any{"uri": "fd:" + liveFD}, nil, -1); err != nil {
 		// migrate takes the fd from the monitor only once it starts.
 		cctx, cancel := cleanupContext(ctx)

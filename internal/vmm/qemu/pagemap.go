@@ -3,11 +3,16 @@ package qemu
 import (
 	"bytes"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"hash/maphash"
 	"os"
 	"path/filepath"
 	"strconv"
+	"sync"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/forkd/forkd/internal/proc"
 )
@@ -20,7 +25,55 @@ const (
 	pmPresent = 1 << 63
 	pmSwapped = 1 << 62
 	pmFile    = 1 << 61 // file page or shared anonymous
+	// pmSoftDirty: written since the last clear of the process's
+	// soft-dirty bits (Documentation/admin-guide/mm/soft-dirty.rst).
+	pmSoftDirty = 1 << 55
 )
+
+// softDirtyWorks reports whether this kernel tracks soft-dirty pages
+// (CONFIG_MEM_SOFT_DIRTY): one without it takes the clear and never sets
+// the bit, which would hide every write. It tries on a page of its own,
+// once per process: clear, the page reads clean; write, it reads dirty.
+var softDirtyWorks = sync.OnceValue(func() bool {
+	b, err := unix.Mmap(-1, 0, pageSize, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	if err != nil {
+		return false
+	}
+	defer func() { _ = unix.Munmap(b) }()
+	b[0] = 1
+	self := filepath.Join(proc.Root, "self")
+	if clearSoftDirty(self) != nil {
+		return false
+	}
+	pm, err := os.Open(filepath.Join(self, "pagemap"))
+	if err != nil {
+		return false
+	}
+	defer pm.Close()
+	entry := func() uint64 {
+		var e [8]byte
+		if _, err := pm.ReadAt(e[:], int64(uintptr(unsafe.Pointer(&b[0]))/pageSize)*8); err != nil {
+			return 0
+		}
+		return binary.LittleEndian.Uint64(e[:])
+	}
+	clean := entry()
+	b[0] = 2
+	dirty := entry()
+	return clean&pmPresent != 0 && clean&pmSoftDirty == 0 && dirty&pmSoftDirty != 0
+})
+
+// clearSoftDirty clears the soft-dirty bits of the process whose /proc
+// directory is dir: from then on, a page it writes reads soft-dirty in its
+// pagemap.
+func clearSoftDirty(dir string) error {
+	f, err := os.OpenFile(filepath.Join(dir, "clear_refs"), os.O_WRONLY, 0)
+	if err != nil {
+		return err
+	}
+	_, err = f.WriteString("4")
+	return errors.Join(err, f.Close())
+}
 
 // privatePage reports whether a pagemap entry of a MAP_PRIVATE file
 // mapping is a page the process wrote (a private copy, in RAM or swap):
@@ -31,71 +84,113 @@ func privatePage(e uint64) bool {
 
 const (
 	pagemapChunk = 1 << 16 // pagemap entries read at once (512 KiB)
-	memRun       = 256     // pages read from /proc/PID/mem at once (1 MiB)
+	memBatch     = 1024    // pages checked at once (4 MiB)
+	iovMax       = 1024    // IOV_MAX: iovecs per process_vm_readv
 )
 
 // checkPages runs with the machine stopped after a completed migration.
 // It reads every private page of guest RAM (pagemap) from the process and
 // delivers again each whose hash differs from that of what was delivered
 // last; it returns how many. Pages the guest never wrote still hold the
-// file's content, which the migration read and sent as is.
+// file's content, which the migration read and sent as is. With
+// ls.softDirty, the process's soft-dirty bits were cleared before the
+// migration sent its first page, so a private page that is not soft-dirty
+// has not changed since it was sent and is not read again: the pause then
+// grows with what the guest wrote during the save, not since its restore.
 func (ls *liveSave) checkPages() (int64, error) {
-	dir := filepath.Join(proc.Root, strconv.Itoa(ls.m.handle.Process.PID))
-	pm, err := os.Open(filepath.Join(dir, "pagemap"))
+	pid := ls.m.handle.Process.PID
+	pm, err := os.Open(filepath.Join(proc.Root, strconv.Itoa(pid), "pagemap"))
 	if err != nil {
 		return 0, err
 	}
 	defer pm.Close()
-	mem, err := os.Open(filepath.Join(dir, "mem"))
-	if err != nil {
-		return 0, err
-	}
-	defer mem.Close()
 	n := len(ls.sums)
 	entries := make([]byte, min(n, pagemapChunk)*8)
-	buf := make([]byte, memRun*pageSize)
+	buf := make([]byte, memBatch*pageSize)
+	batch := make([]int, 0, memBatch)
 	first := int64(ls.ram.HostAddr / pageSize)
 	var resent int64
+	// check reads the pages of batch (guest page numbers, ascending) and
+	// delivers those that changed.
+	check := func() error {
+		if len(batch) == 0 {
+			return nil
+		}
+		data := buf[:len(batch)*pageSize]
+		if err := readPages(pid, ls.ram.HostAddr, batch, data); err != nil {
+			return err
+		}
+		for p, idx := range batch {
+			page := data[p*pageSize : (p+1)*pageSize]
+			h := maphash.Bytes(ls.seed, page)
+			if h == ls.sums[idx] {
+				continue
+			}
+			ls.sums[idx] = h
+			if h == ls.zero && bytes.Equal(page, zeroPage[:]) {
+				page = nil
+			}
+			if err := ls.page(uint64(idx)*pageSize, page); err != nil {
+				return fmt.Errorf("guest page at %#x: %w", uint64(idx)*pageSize, err)
+			}
+			resent++
+		}
+		batch = batch[:0]
+		return nil
+	}
 	for base := 0; base < n; base += pagemapChunk {
 		k := min(pagemapChunk, n-base)
 		e := entries[:k*8]
 		if _, err := pm.ReadAt(e, (first+int64(base))*8); err != nil {
 			return resent, fmt.Errorf("pagemap: %w", err)
 		}
-		private := func(i int) bool { return privatePage(binary.LittleEndian.Uint64(e[i*8:])) }
-		for i := 0; i < k; {
-			if !private(i) {
-				i++
+		for i := range k {
+			pe := binary.LittleEndian.Uint64(e[i*8:])
+			if !privatePage(pe) || ls.softDirty && pe&pmSoftDirty == 0 {
 				continue
 			}
-			j := i + 1
-			for j < k && j-i < memRun && private(j) {
-				j++
-			}
-			run := buf[:(j-i)*pageSize]
-			addr := int64(ls.ram.HostAddr) + int64(base+i)*pageSize
-			if _, err := mem.ReadAt(run, addr); err != nil {
-				return resent, fmt.Errorf("guest memory at %#x: %w", addr, err)
-			}
-			for p := range j - i {
-				page := run[p*pageSize : (p+1)*pageSize]
-				idx := base + i + p
-				h := maphash.Bytes(ls.seed, page)
-				if h == ls.sums[idx] {
-					continue
+			if batch = append(batch, base+i); len(batch) == memBatch {
+				if err := check(); err != nil {
+					return resent, err
 				}
-				ls.sums[idx] = h
-				data := page
-				if h == ls.zero && bytes.Equal(page, zeroPage[:]) {
-					data = nil
-				}
-				if err := ls.page(uint64(idx)*pageSize, data); err != nil {
-					return resent, fmt.Errorf("guest page at %#x: %w", uint64(idx)*pageSize, err)
-				}
-				resent++
 			}
-			i = j
 		}
 	}
-	return resent, nil
+	return resent, check()
+}
+
+// readPages reads guest pages idx (ascending page numbers of the RAM
+// mapped at hostAddr in process pid) into buf, one after the other, with
+// as few process_vm_readv calls as IOV_MAX allows: the private pages of a
+// guest lie scattered, and one read each cost more than the rest of the
+// check.
+func readPages(pid int, hostAddr uint64, idx []int, buf []byte) error {
+	remote := make([]unix.RemoteIovec, 0, len(idx))
+	for _, i := range idx {
+		addr := uintptr(hostAddr) + uintptr(i)*pageSize
+		if r := len(remote) - 1; r >= 0 && remote[r].Base+uintptr(remote[r].Len) == addr {
+			remote[r].Len += pageSize
+			continue
+		}
+		remote = append(remote, unix.RemoteIovec{Base: addr, Len: pageSize})
+	}
+	for len(remote) > 0 {
+		iov := remote[:min(len(remote), iovMax)]
+		remote = remote[len(iov):]
+		size := 0
+		for _, r := range iov {
+			size += r.Len
+		}
+		local := []unix.Iovec{{Base: &buf[0]}}
+		local[0].SetLen(size)
+		got, err := unix.ProcessVMReadv(pid, local, iov, 0)
+		if err != nil {
+			return fmt.Errorf("guest memory at %#x: %w", iov[0].Base, err)
+		}
+		if got != size {
+			return fmt.Errorf("guest memory at %#x: read %d of %d bytes", iov[0].Base, got, size)
+		}
+		buf = buf[size:]
+	}
+	return nil
 }

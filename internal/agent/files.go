@@ -7,6 +7,7 @@ import (
 	"io/fs"
 
 	"github.com/forkd/forkd/internal/agent/proto"
+	"github.com/forkd/forkd/internal/errdefs"
 )
 
 // ReadFile streams the guest file at path (absolute) into w and returns the
@@ -52,10 +53,18 @@ func (c *Client) WriteFile(ctx context.Context, path string, r io.Reader, mode f
 			_ = c.w.WriteFrame(proto.Frame{Type: proto.TypeCancel, ID: cl.id})
 		}
 	}()
-	err = c.wait(ctx, cl, nil, nil)
+	var fi proto.FileInfo
+	err = c.wait(ctx, cl, nil, &fi)
 	if err == nil {
 		// The guest answers only after the EOF frame: the sender is done.
 		<-sent
+		// The guest answers with the file it committed. The host's
+		// frames carry no sequence check in the guest, so a frame lost
+		// on the way would go unnoticed but for its size: say so rather
+		// than report a whole file.
+		if fi.Type == "file" && fi.Size != cr.n {
+			return cr.n, errdefs.Unavailable("write %s: the guest received %d bytes of the %d sent (agent channel lost data)", path, fi.Size, cr.n)
+		}
 		return cr.n, nil
 	}
 	select {

@@ -92,6 +92,25 @@ func TestWriteFileAbortsOnReadError(t *testing.T) {
 	}
 }
 
+// A data frame lost on its way to the guest (here: a byte flipped, so the
+// guest's reader skips the frame) leaves a file short of what was sent;
+// the write fails instead of reporting a whole file.
+func TestWriteFileLostFrameFails(t *testing.T) {
+	cd := startGuest(t, guest.Config{})
+	// Past the handshake and the request, inside the data.
+	cd.flipToGuest.Store(600 << 10)
+	c := cd.dial()
+	path := filepath.Join(t.TempDir(), "f")
+	_, err := c.WriteFile(testCtx(t), path, bytes.NewReader(make([]byte, 1<<20)), 0)
+	if !errdefs.IsUnavailable(err) {
+		t.Fatalf("WriteFile with a frame lost = %v, want Unavailable", err)
+	}
+	// What arrived is still all zeros and short: the loss was real.
+	if st, err := os.Stat(path); err != nil || st.Size() >= 1<<20 {
+		t.Fatalf("file after a lost frame: %v, %v", st, err)
+	}
+}
+
 type errReader struct{ err error }
 
 func (e errReader) Read([]byte) (int, error) { return 0, e.err }

@@ -3,7 +3,6 @@ package agent_test
 import (
 	"context"
 	"encoding/json"
-	"io"
 	"net"
 	"os"
 	"os/exec"
@@ -39,6 +38,10 @@ type fakeChardev struct {
 	dropped atomic.Int64
 	// dropNext, when set, drops the next chunk of guest output whole.
 	dropNext atomic.Bool
+	// flipToGuest, when positive, is the offset in the next host's stream
+	// of a byte the relay flips on its way to the guest: the frame holding
+	// it fails its CRC there and is skipped, a frame lost host to guest.
+	flipToGuest atomic.Int64
 }
 
 // guestStream is the guest's side: reads from one pipe, writes to another,
@@ -172,8 +175,25 @@ func (cd *fakeChardev) connect() net.Conn {
 	cd.mu.Lock()
 	cd.host = relay
 	cd.mu.Unlock()
+	flip := cd.flipToGuest.Swap(0) - 1 // -1: none
 	go func() {
-		io.Copy(cd.toGuest, relay)
+		buf := make([]byte, 32<<10)
+		var off int64
+		for {
+			n, err := relay.Read(buf)
+			if n > 0 {
+				if flip >= off && flip < off+int64(n) {
+					buf[flip-off] ^= 0xff
+				}
+				off += int64(n)
+				if _, err := cd.toGuest.Write(buf[:n]); err != nil {
+					break
+				}
+			}
+			if err != nil {
+				break
+			}
+		}
 		cd.mu.Lock()
 		if cd.host == relay {
 			cd.host = nil

@@ -19,6 +19,10 @@ import (
 // the python image, the second reuses it.
 func TestExamples(t *testing.T) {
 	testutil.RequireRoot(t) // the python image is built with debootstrap
+	// A daemon and data dir of its own, mostly waiting on guests and
+	// other processes: it runs beside the other SDK, MCP and example
+	// tests (go test -parallel, GOMAXPROCS at a time).
+	t.Parallel()
 	py := sdkPython(t)
 	c := newCLI(t)
 	d := startServe(t, c)

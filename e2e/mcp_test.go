@@ -47,6 +47,10 @@ func TestMCP(t *testing.T) {
 	c := newCLI(t)
 	testutil.RequireRoot(t) // the python image is built with debootstrap
 	testutil.RequireCommand(t, "node", "npm")
+	// A daemon and data dir of its own, mostly waiting on guests and
+	// other processes: it runs beside the other SDK, MCP and example
+	// tests (go test -parallel, GOMAXPROCS at a time).
+	t.Parallel()
 	dir := npmCI(t, "mcp-client")
 
 	// stdio, no daemon: forkd mcp serves the data dir itself, and builds

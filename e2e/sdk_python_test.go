@@ -25,6 +25,10 @@ import (
 func TestPythonSDK(t *testing.T) {
 	testvm.Require(t)
 	testutil.RequireRoot(t) // the python image (run_code) is built with debootstrap
+	// A daemon and data dir of its own, mostly waiting on guests and
+	// other processes: it runs beside the other SDK, MCP and example
+	// tests (go test -parallel, GOMAXPROCS at a time).
+	t.Parallel()
 	py := sdkPython(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 25*time.Minute)
 	defer cancel()

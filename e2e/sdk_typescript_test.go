@@ -22,6 +22,10 @@ func TestTypeScriptSDK(t *testing.T) {
 	testvm.Require(t)
 	testutil.RequireRoot(t) // the python image is built with debootstrap
 	testutil.RequireCommand(t, "node", "npm")
+	// A daemon and data dir of its own, mostly waiting on guests and
+	// other processes: it runs beside the other SDK, MCP and example
+	// tests (go test -parallel, GOMAXPROCS at a time).
+	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
 	defer cancel()
 	dir, run := buildTypeScriptSDK(ctx, t)

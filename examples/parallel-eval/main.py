@@ -46,8 +46,8 @@ def evaluate(sbx: Sandbox, n: int) -> Dict[str, object]:
     start = time.monotonic()
     sbx.files.write("/root/solution.py", SOLUTION)
     sbx.files.write("/root/input.json", json.dumps({"n": n}))
-    out = json.loads(sbx.commands.run("python3 /root/solution.py /root/input.json", timeout=120).stdout)
-    second = sbx.run_code(TRIAL_DIVISION.format(n=n), timeout=120)
+    out = json.loads(sbx.commands.run("python3 /root/solution.py /root/input.json", timeout=600).stdout)
+    second = sbx.run_code(TRIAL_DIVISION.format(n=n), timeout=600)
     if second.error is not None:
         raise RuntimeError(f"run_code in {sbx.id}: {second.error.name}: {second.error.value}")
     host = sbx.commands.run("hostname").stdout.strip()

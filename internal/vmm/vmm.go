@@ -86,6 +86,20 @@ type Machine interface {
 	Wait(ctx context.Context) (ExitStatus, error)
 }
 
+// RestoreChecker is implemented by backends that can tell, from a
+// snapshot's machine identity alone (the Config a Machine's Handle
+// returned), whether they can restore that snapshot on this host. It is
+// what a snapshot from elsewhere (pulled from a registry) is judged by
+// before anything else of it is read.
+type RestoreChecker interface {
+	// CheckRestore starts nothing and reads no file. A config that is
+	// malformed, out of range or not one this backend would have made
+	// is InvalidArgument; one made by another VMM version line, under
+	// another accelerator, or for a CPU this host lacks is
+	// FailedPrecondition, the message saying which.
+	CheckRestore(ctx context.Context, config []byte) error
+}
+
 // Parker is implemented by backends that can start a VMM process ahead of
 // time and restore into it later, cutting process start-up off the fork
 // path.

@@ -4,6 +4,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/forkd/forkd/internal/errdefs"
 	"github.com/forkd/forkd/internal/vmm"
 )
 
@@ -76,5 +77,33 @@ func TestCPUInfo(t *testing.T) {
 	}
 	if cpuinfoTSCkHz([]byte("cpu MHz : 2000\nflags : fpu\n")) != 0 {
 		t.Error("TSC rate trusted without constant_tsc")
+	}
+}
+
+func TestValidateRefusesSmuggledOptions(t *testing.T) {
+	ok := machineConfig{Version: "7.2.22", Machine: "microvm", Accel: "tcg", TBSizeMiB: 16, CPU: tcgCPU,
+		MemoryMiB: 256, VCPUs: 1, Disks: 1, NICs: []string{"52:54:00:00:00:01"}, TSCkHz: 2_000_000}
+	if err := ok.validate(); err != nil {
+		t.Fatalf("a config this forkd makes: %v", err)
+	}
+	for name, tune := range map[string]func(*machineConfig){
+		"cpu property":  func(c *machineConfig) { c.CPU = "qemu64,+arat,romfile=/etc/shadow" },
+		"mac property":  func(c *machineConfig) { c.NICs = []string{"52:54:00:00:00:01,romfile=/etc/shadow"} },
+		"version":       func(c *machineConfig) { c.Version = "7.2 -device x" },
+		"kvm cpu":       func(c *machineConfig) { c.Accel, c.CPU = "kvm", "qemu64" },
+		"accel":         func(c *machineConfig) { c.Accel = "hvf" },
+		"huge memory":   func(c *machineConfig) { c.MemoryMiB = 1 << 30 },
+		"many vcpus":    func(c *machineConfig) { c.VCPUs = 100000 },
+		"many disks":    func(c *machineConfig) { c.Disks = 1000 },
+		"negative tb":   func(c *machineConfig) { c.TBSizeMiB = -1 },
+		"tsc":           func(c *machineConfig) { c.TSCkHz = -5 },
+		"too many nics": func(c *machineConfig) { c.NICs = make([]string, 9) },
+	} {
+		c := ok
+		c.NICs = append([]string(nil), ok.NICs...)
+		tune(&c)
+		if err := c.validate(); !errdefs.IsInvalidArgument(err) {
+			t.Errorf("%s: %v, want invalid argument", name, err)
+		}
 	}
 }

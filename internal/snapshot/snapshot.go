@@ -117,6 +117,27 @@ type Metadata struct {
 	// written (staging metadata only): a staging branch whose writer died
 	// becomes a failed snapshot.
 	Writer *proc.Identity `json:"writer,omitempty"`
+	// Origin says where a snapshot pulled from a registry (or unpacked
+	// from a layout file) came from; nil for one made here.
+	Origin *Origin `json:"origin,omitempty"`
+}
+
+// Origin is where a snapshot made elsewhere came from.
+type Origin struct {
+	// Ref is the registry reference pulled, or the layout file unpacked.
+	Ref string `json:"ref"`
+	// Digest is the manifest digest of the snapshot's artifact.
+	Digest string    `json:"digest"`
+	Pulled time.Time `json:"pulled"`
+	// CPU is the CPU of the host the snapshot was made on.
+	CPU *CPU `json:"cpu,omitempty"`
+}
+
+// CPU describes a host CPU.
+type CPU struct {
+	Vendor string   `json:"vendor,omitempty"`
+	Model  string   `json:"model,omitempty"`
+	Flags  []string `json:"flags,omitempty"`
 }
 
 // Kinds of snapshot.

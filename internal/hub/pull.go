@@ -149,7 +149,11 @@ func (h *Hub) pull(ctx context.Context, src source, ref, origin, tag string, onP
 	if err := h.fetch(ctx, src, t, plan, fetched, &cached); err != nil {
 		return res, err
 	}
+	for _, f := range t.snapshot().Files {
+		fileDone(ctx, t, f.Name, "fetched")
+	}
 	t.setPhase("assemble")
+	nNew := countNew(links)
 	var made []string
 	for i := len(links) - 1; i >= 0; i-- {
 		l := links[i]
@@ -182,7 +186,7 @@ func (h *Hub) pull(ctx context.Context, src source, ref, origin, tag string, onP
 	h.cache.remove(planDigests(plan))
 	t.setPhase("done")
 	say(ctx, "pulled %s as %s: %d link(s), %s fetched of %s (%s verified in the cache already)", origin, res.Tag,
-		countNew(links), mib(planBytes(plan)-cached.Load()), mib(planBytes(plan)), mib(cached.Load()))
+		nNew, mib(planBytes(plan)-cached.Load()), mib(planBytes(plan)), mib(cached.Load()))
 	return res, nil
 }
 

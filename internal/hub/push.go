@@ -182,6 +182,7 @@ func (h *Hub) pushLink(ctx context.Context, s sink, t *tracker, sn *snapshot.Sna
 		if err := h.send(ctx, s, t, prefix+b.name, blob); err != nil {
 			return nil, "", nil, err
 		}
+		fileDone(ctx, t, prefix+b.name, "sent")
 	}
 	if sn.Rootfs.Path != "" {
 		if sn.Rootfs.SHA256 == "" {
@@ -201,6 +202,7 @@ func (h *Hub) pushLink(ctx context.Context, s sink, t *tracker, sn *snapshot.Sna
 		}
 		im.SHA256 = sn.Rootfs.SHA256
 		cfg.Rootfs = im
+		fileDone(ctx, t, prefix+"rootfs", "sent")
 	}
 
 	// Device state, compressed whole.
@@ -254,6 +256,7 @@ func (h *Hub) pushLink(ctx context.Context, s sink, t *tracker, sn *snapshot.Sna
 		return nil, "", nil, fmt.Errorf("memory: %w", err)
 	}
 	cfg.Memory = *im
+	fileDone(ctx, t, prefix+"memory", "sent")
 
 	// Config, then the manifest naming it all.
 	cb, err := json.Marshal(cfg)
@@ -299,6 +302,19 @@ func configOf(sn *snapshot.Snapshot, cpu CPU) ArtifactConfig {
 		c.Branch = &Branch{Mode: md.Branch.Mode, Depth: md.Branch.Depth}
 	}
 	return c
+}
+
+// fileDone reports a file of a transfer done, from its progress.
+func fileDone(ctx context.Context, t *tracker, name, verb string) {
+	for _, f := range t.snapshot().Files {
+		if f.Name == name {
+			line := fmt.Sprintf("%s: %s in %d blob(s), %s %s", name, mib(f.Total), f.Blobs, mib(f.Done), verb)
+			if f.Skipped > 0 {
+				line += fmt.Sprintf(", %s there already", mib(f.Skipped))
+			}
+			say(ctx, "%s", line)
+		}
+	}
 }
 
 // send stores b in s unless s has it, counting it for file name.

@@ -368,3 +368,16 @@ func classify(ref string, err error) error {
 	}
 	return errdefs.Unavailable("%s: %w", ref, err)
 }
+
+// CheckRef checks a registry reference as Push (tagged: it must name a
+// tag) or Pull takes it, without reaching the registry.
+func CheckRef(ref string, tagged bool) error {
+	r, err := parseRef(ref)
+	if err != nil {
+		return err
+	}
+	if _, ok := r.(name.Tag); tagged && !ok {
+		return errdefs.InvalidArgument("reference %s: push to a tag (registry/repo:tag), not a digest", errdefs.Quote(ref))
+	}
+	return nil
+}

@@ -303,3 +303,30 @@ func (x *index) add(entries map[string]indexEntry) error {
 	}
 	return fsutil.WriteJSON(x.path, m, 0o600)
 }
+
+// StaleBlobAge is how long a blob stays in the pull cache unused: a pull
+// cut short and never tried again leaves its blobs that long.
+const StaleBlobAge = 7 * 24 * time.Hour
+
+// Prune removes the pull cache's blobs (and temporary files) not
+// modified for maxAge.
+func (h *Hub) Prune(maxAge time.Duration) error {
+	ents, err := os.ReadDir(h.cache.dir)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	var errs []error
+	for _, e := range ents {
+		fi, err := e.Info()
+		if err != nil || time.Since(fi.ModTime()) < maxAge {
+			continue
+		}
+		if err := os.Remove(filepath.Join(h.cache.dir, e.Name())); err != nil && !errors.Is(err, fs.ErrNotExist) {
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
+}

@@ -25,6 +25,7 @@ import (
 	"github.com/forkd/forkd/internal/agent"
 	"github.com/forkd/forkd/internal/cgroup"
 	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/hub"
 	"github.com/forkd/forkd/internal/image"
 	"github.com/forkd/forkd/internal/netns"
 	"github.com/forkd/forkd/internal/progress"
@@ -104,6 +105,7 @@ type Engine struct {
 	restores chan struct{} // one token per restore in progress
 	branches chan struct{} // one token per branch being taken
 	pool     *pool         // nil without Config.Pool
+	hub      *hub.Hub
 
 	mu    sync.Mutex               // guards conns
 	conns map[string]*agent.Client // daemon mode: one agent session per sandbox
@@ -252,6 +254,10 @@ func New(cfg Config) (*Engine, error) {
 		},
 	}
 	e.pool = newPool(e, cfg.Pool)
+	if e.hub, err = e.newHub(); err != nil {
+		st.Close()
+		return nil, err
+	}
 	return e, nil
 }
 

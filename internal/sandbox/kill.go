@@ -215,6 +215,9 @@ func (e *Engine) RemoveSnapshotWith(tag string, opts snapshot.RemoveOptions) ([]
 		}
 	}
 	removed, err := e.snaps.RemoveTree(tag, opts)
+	if len(removed) > 0 {
+		e.sweepContent() // what a pulled snapshot alone used
+	}
 	if errors.Is(err, snapshot.ErrInUse) {
 		for _, t := range tags {
 			if ids, lerr := e.Users(t); lerr == nil && len(ids) > 0 {

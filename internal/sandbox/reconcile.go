@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/hub"
 	"github.com/forkd/forkd/internal/proc"
 	"github.com/forkd/forkd/internal/snapshot"
 	"github.com/forkd/forkd/internal/state"
@@ -198,6 +199,10 @@ func (e *Engine) Reconcile(ctx context.Context) (*ReconcileReport, error) {
 	}
 	if err := e.images.Reclaim(); err != nil {
 		errs = append(errs, fmt.Errorf("reclaim image cache staging: %w", err))
+	}
+	e.sweepContent()
+	if err := e.hub.Prune(hub.StaleBlobAge); err != nil {
+		errs = append(errs, fmt.Errorf("prune the pull cache: %w", err))
 	}
 	return rep, errors.Join(errs...)
 }

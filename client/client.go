@@ -268,6 +268,65 @@ func (c *Client) WaitOperationProgress(ctx context.Context, id string, progress 
 	}
 }
 
+// WatchOperation polls an operation every interval (at least 50 ms)
+// until it ends or ctx does, calling fn with each state it sees, the
+// last included. A failed operation is returned with its error as a
+// classed error.
+func (c *Client) WatchOperation(ctx context.Context, id string, interval time.Duration, fn func(*apiv1.Operation)) (*apiv1.Operation, error) {
+	interval = max(interval, 50*time.Millisecond)
+	for {
+		op, err := c.GetOperation(ctx, id)
+		if err != nil {
+			return nil, err
+		}
+		if fn != nil {
+			fn(op)
+		}
+		switch op.Status {
+		case apiv1.OperationSucceeded:
+			return op, nil
+		case apiv1.OperationFailed:
+			if op.Error != nil {
+				return op, errdefs.FromCode(op.Error.Code, op.Error.Message)
+			}
+			return op, errors.New("operation failed")
+		}
+		select {
+		case <-ctx.Done():
+			return op, ctx.Err()
+		case <-time.After(interval):
+		}
+	}
+}
+
+// PushSnapshot starts pushing a snapshot (and its chain) to a registry;
+// see WatchOperation. The operation's Transfer says how it goes.
+func (c *Client) PushSnapshot(ctx context.Context, tag string, req apiv1.PushRequest) (*apiv1.Operation, error) {
+	var op apiv1.Operation
+	return &op, c.do(ctx, "POST", "/v1/snapshots/"+url.PathEscape(tag)+"/push", nil, req, &op)
+}
+
+// PullSnapshot starts pulling a snapshot from a registry; the operation's
+// Snapshot names its tag here once known.
+func (c *Client) PullSnapshot(ctx context.Context, req apiv1.PullRequest) (*apiv1.Operation, error) {
+	var op apiv1.Operation
+	return &op, c.do(ctx, "POST", "/v1/snapshots/pull", nil, req, &op)
+}
+
+// PackSnapshot starts writing a snapshot (and its chain) into a layout
+// tar file on the daemon's host.
+func (c *Client) PackSnapshot(ctx context.Context, tag string, req apiv1.PackRequest) (*apiv1.Operation, error) {
+	var op apiv1.Operation
+	return &op, c.do(ctx, "POST", "/v1/snapshots/"+url.PathEscape(tag)+"/pack", nil, req, &op)
+}
+
+// UnpackSnapshot starts reading a snapshot from a layout tar file on the
+// daemon's host.
+func (c *Client) UnpackSnapshot(ctx context.Context, req apiv1.UnpackRequest) (*apiv1.Operation, error) {
+	var op apiv1.Operation
+	return &op, c.do(ctx, "POST", "/v1/snapshots/unpack", nil, req, &op)
+}
+
 // CreateSandboxes forks req.N sandboxes and returns once they are ready.
 func (c *Client) CreateSandboxes(ctx context.Context, req apiv1.CreateSandboxesRequest) (*apiv1.CreateSandboxesResponse, error) {
 	var res apiv1.CreateSandboxesResponse

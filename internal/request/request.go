@@ -234,6 +234,9 @@ func ViewSnapshot(sn *snapshot.Snapshot, refs int, problem error) apiv1.Snapshot
 	if b := sn.Branch; b != nil {
 		v.Mode, v.Source, v.Depth = b.Mode, b.Source, b.Depth
 	}
+	if o := sn.Origin; o != nil {
+		v.Origin = &apiv1.SnapshotOrigin{Ref: o.Ref, Digest: o.Digest, Pulled: o.Pulled}
+	}
 	return v
 }
 

@@ -163,17 +163,40 @@ func (o *operations) list() []apiv1.Operation {
 	return out
 }
 
-// writing returns the tags of snapshots being built.
+// writing returns the tags of snapshots being built (or pulled, or
+// unpacked).
 func (o *operations) writing() map[string]bool {
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	tags := map[string]bool{}
 	for _, op := range o.ops {
+		if op.Kind == opPush || op.Kind == opPack {
+			continue // these read their snapshot
+		}
 		if op.Status == apiv1.OperationRunning && op.Snapshot != "" {
 			tags[op.Snapshot] = true
 		}
 	}
 	return tags
+}
+
+// setTransfer records a transfer's progress (or summary) in operation id.
+func (o *operations) setTransfer(id string, t *apiv1.Transfer) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if op := o.ops[id]; op != nil {
+		op.Transfer = t // a new value each time: callers hold copies of op
+	}
+}
+
+// setSnapshot names the snapshot of operation id, once known (a pull
+// learns its tag from the snapshot's config).
+func (o *operations) setSnapshot(id, tag string) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if op := o.ops[id]; op != nil {
+		op.Snapshot = tag
+	}
 }
 
 // progress returns a writer whose lines become operation id's progress.

@@ -64,8 +64,11 @@ type Config struct {
 	OperationsDir string
 	// ImportDir is the one directory whose tarballs and OCI layouts
 	// snapshot requests may import (default <data>/imports); any other
-	// oci.ref must be a registry reference.
+	// oci.ref must be a registry reference. Unpack reads only from it too.
 	ImportDir string
+	// ExportDir is the one directory pack writes into (default
+	// <data>/exports).
+	ExportDir string
 	// AllowImageScripts lets snapshot requests install oci.extra packages,
 	// which runs the image's apt and maintainer scripts as root on the host
 	// (in a chroot); without it such requests are refused with 400.
@@ -100,10 +103,11 @@ type Server struct {
 	openapi  []byte // the OpenAPI document, built once
 	bodies   *byteBudget
 
-	base   context.Context // the daemon's lifetime; cancelled by Close
-	cancel context.CancelFunc
-	work   sync.WaitGroup // background work (snapshot builds)
-	builds chan struct{}  // one token per snapshot build running
+	base      context.Context // the daemon's lifetime; cancelled by Close
+	cancel    context.CancelFunc
+	work      sync.WaitGroup // background work (snapshot builds, transfers)
+	builds    chan struct{}  // one token per snapshot build running
+	transfers chan struct{}  // one token per push, pull, pack or unpack running
 }
 
 // New returns a Server over cfg.Engine.
@@ -149,13 +153,16 @@ func New(cfg Config) (*Server, error) {
 	}
 	switch {
 	case cfg.Local:
-		cfg.OperationsDir, cfg.ImportDir, cfg.AllowImageScripts = "", "", true
+		cfg.OperationsDir, cfg.ImportDir, cfg.ExportDir, cfg.AllowImageScripts = "", "", "", true
 	default:
 		if cfg.OperationsDir == "" {
 			cfg.OperationsDir = cfg.Engine.Config().DataDir + "/operations"
 		}
 		if cfg.ImportDir == "" {
 			cfg.ImportDir = cfg.Engine.Config().DataDir + "/imports"
+		}
+		if cfg.ExportDir == "" {
+			cfg.ExportDir = cfg.Engine.Config().DataDir + "/exports"
 		}
 	}
 	if cfg.Token != nil {
@@ -175,6 +182,7 @@ func New(cfg Config) (*Server, error) {
 	}
 	s.base, s.cancel = context.WithCancel(context.Background())
 	s.builds = make(chan struct{}, 2)
+	s.transfers = make(chan struct{}, 2)
 	s.registry = prometheus.NewRegistry()
 	s.metrics = newMetrics(s, s.registry)
 	cfg.Expirer.OnKill = func(string) { s.metrics.expired.Inc() }

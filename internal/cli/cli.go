@@ -123,6 +123,10 @@ func newRoot(g *globals) *cobra.Command {
 		newRunCmd(g),
 		newPingCmd(g),
 		newMCPCmd(g),
+		newPushCmd(g),
+		newPullCmd(g),
+		newPackCmd(g),
+		newUnpackCmd(g),
 	)
 	return root
 }

@@ -34,6 +34,8 @@ type snapshotView struct {
 	Mode        string    `json:"mode,omitempty"`    // a branch's: full, diff or live
 	Depth       int       `json:"depth,omitempty"`
 	Ephemeral   bool      `json:"ephemeral,omitempty"` // goes with its last child (fork --from)
+	// Origin is where a pulled (or unpacked) snapshot came from.
+	Origin *apiv1.SnapshotOrigin `json:"origin,omitempty"`
 }
 
 func newImagesCmd(g *globals) *cobra.Command {
@@ -47,13 +49,13 @@ func newImagesCmd(g *globals) *cobra.Command {
 			if err != nil {
 				return err
 			}
-			return printList(g, asJSON, "snapshots", "TAG\tSTATUS\tIMAGE\tMEMORY\tSIZE\tCHILDREN\tCREATED", views, func(v snapshotView) string {
+			return printList(g, asJSON, "snapshots", "TAG\tSTATUS\tIMAGE\tMEMORY\tSIZE\tCHILDREN\tCREATED\tORIGIN", views, func(v snapshotView) string {
 				created := "-"
 				if !v.Created.IsZero() {
 					created = v.Created.Local().Format(time.DateTime)
 				}
-				return fmt.Sprintf("%s\t%s\t%s\t%d MiB\t%.1f MiB\t%d\t%s", v.Tag, v.Status, v.Image, v.MemoryMiB,
-					float64(v.SizeBytes)/(1<<20), v.Refcount, created)
+				return fmt.Sprintf("%s\t%s\t%s\t%d MiB\t%.1f MiB\t%d\t%s\t%s", v.Tag, v.Status, v.Image, v.MemoryMiB,
+					float64(v.SizeBytes)/(1<<20), v.Refcount, created, originString(v.Origin))
 			})
 		},
 	}
@@ -124,6 +126,19 @@ func apiSnapshotView(s apiv1.Snapshot) snapshotView {
 		Tag: s.Tag, Status: s.Status, Image: s.Image, Backend: s.Backend, Accelerator: s.Accelerator,
 		MemoryMiB: s.MemoryMiB, VCPUs: s.VCPUs, SizeBytes: s.SizeBytes, Refcount: s.Refcount,
 		Created: s.Created, Parent: s.Parent, Network: s.Network, Error: s.Error, Problem: s.Problem,
-		Kind: s.Kind, Mode: s.Mode, Depth: s.Depth, Ephemeral: s.Ephemeral,
+		Kind: s.Kind, Mode: s.Mode, Depth: s.Depth, Ephemeral: s.Ephemeral, Origin: s.Origin,
 	}
+}
+
+// originString is a snapshot's origin in one column: the reference it
+// was pulled from and its digest, shortened ("-" for one made here).
+func originString(o *apiv1.SnapshotOrigin) string {
+	if o == nil {
+		return "-"
+	}
+	d := o.Digest
+	if len(d) > len("sha256:")+12 {
+		d = d[:len("sha256:")+12]
+	}
+	return o.Ref + " (" + d + ")"
 }

@@ -36,6 +36,7 @@ type serveOptions struct {
 	pool, maxPorts              int
 	maxBody, maxBodyInFlight    int64
 	auditLog, importDir         string
+	exportDir                   string
 	unresponsive                string
 	maxBranches                 int
 	grace, bodyTimeout          time.Duration
@@ -80,6 +81,7 @@ missing). A non-loopback --listen needs TLS (--tls-cert/--tls-key) unless
 	timeoutFlag(f, &o.bodyTimeout, "body-timeout", "time a JSON request body may take to arrive, 1s to 1h (any body is also cut after 10s without a byte)")
 	f.StringVar(&o.auditLog, "audit-log", "", `audit log, one JSON line per request (default <data-dir>/audit.log; "-" for stderr)`)
 	f.BoolVar(&o.allowImageScripts, "allow-image-scripts", false, "let API callers install oci.extra packages, which runs the image's own apt scripts as root on this host (only if every token holder is trusted with root)")
+	f.StringVar(&o.exportDir, "export-dir", "", "the only directory forkd pack writes layout files into for API callers (default <data-dir>/exports)")
 	f.StringVar(&o.importDir, "import-dir", "", "the only directory whose tarballs and OCI layouts API callers may import (default <data-dir>/imports; other refs must be registry references)")
 	f.IntVar(&o.maxBranches, "max-branches", sandbox.DefaultMaxBranches, "branches taken at once, 1 to 64; more are refused with 429")
 	f.StringVar(&o.unresponsive, "unresponsive", sandbox.UnresponsiveKeep, "what happens to a sandbox whose agent stops answering: keep (marked unresponsive, kept for inspection) or kill; a create request's on_unresponsive overrides it")
@@ -146,6 +148,11 @@ func (o serveOptions) validate() error {
 			return errdefs.InvalidArgument("--import-dir %s: want an existing directory", o.importDir)
 		}
 	}
+	if o.exportDir != "" {
+		if st, err := os.Stat(o.exportDir); err != nil || !st.IsDir() {
+			return errdefs.InvalidArgument("--export-dir %s: want an existing directory", o.exportDir)
+		}
+	}
 	if o.listen != "" {
 		loopback, err := isLoopback(o.listen)
 		if err != nil {
@@ -180,6 +187,16 @@ func serve(ctx context.Context, g *globals, o serveOptions) error {
 		}
 	}
 	if importDir, err = filepath.Abs(importDir); err != nil {
+		return err
+	}
+	exportDir := o.exportDir
+	if exportDir == "" {
+		exportDir = filepath.Join(dir, "exports")
+		if err := os.MkdirAll(exportDir, 0o700); err != nil {
+			return err
+		}
+	}
+	if exportDir, err = filepath.Abs(exportDir); err != nil {
 		return err
 	}
 	var token []byte
@@ -249,6 +266,7 @@ func serve(ctx context.Context, g *globals, o serveOptions) error {
 		MaxBodyBytesInFlight: o.maxBodyInFlight,
 		BodyTimeout:          o.bodyTimeout,
 		ImportDir:            importDir,
+		ExportDir:            exportDir,
 		AllowImageScripts:    o.allowImageScripts,
 		Audit:                audit,
 		Logger:               log,

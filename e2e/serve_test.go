@@ -3,18 +3,12 @@ package e2e
 import (
 	"bytes"
 	"context"
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
 	"crypto/tls"
 	"crypto/x509"
-	"crypto/x509/pkix"
 	"encoding/json"
-	"encoding/pem"
 	"errors"
 	"fmt"
 	"io"
-	"math/big"
 	"net"
 	"net/http"
 	"os"
@@ -481,32 +475,14 @@ func (f writerFunc) Write(p []byte) (int, error) { return f(p) }
 // still wants the token.
 func TestServeTLS(t *testing.T) {
 	c := newCLI(t)
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	tmpl := &x509.Certificate{
-		SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "forkd-test"},
-		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
-		IPAddresses: []net.IP{net.ParseIP("127.0.0.1")}, KeyUsage: x509.KeyUsageDigitalSignature,
-		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	kb, err := x509.MarshalECPrivateKey(key)
-	if err != nil {
-		t.Fatal(err)
-	}
 	certFile, keyFile := filepath.Join(c.data, "cert.pem"), filepath.Join(c.data, "key.pem")
-	testutil.WriteFile(t, certFile, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}), 0o644)
-	testutil.WriteFile(t, keyFile, pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: kb}), 0o600)
+	testutil.SelfSigned(t, certFile, keyFile)
 
 	d := startServe(t, c, "--tls-cert", certFile, "--tls-key", keyFile)
-	cert, _ := x509.ParseCertificate(der)
 	pool := x509.NewCertPool()
-	pool.AddCert(cert)
+	if pemBytes, _ := os.ReadFile(certFile); !pool.AppendCertsFromPEM(pemBytes) {
+		t.Fatal("no certificate in " + certFile)
+	}
 	url := strings.Replace(d.url, "http://", "https://", 1)
 	ctx := context.Background()
 	api, err := client.New(url, d.token, client.Options{TLS: &tls.Config{RootCAs: pool}})

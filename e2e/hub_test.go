@@ -3,6 +3,9 @@ package e2e
 import (
 	"bytes"
 	"encoding/json"
+	"errors"
+	"io/fs"
+	"os"
 	"os/exec"
 	"path/filepath"
 	"strconv"
@@ -26,6 +29,7 @@ type transfer struct {
 	NetReceived     int64   `json:"net_received_bytes"`
 	MemoryBytes     int64   `json:"memory_bytes"`
 	MemoryBlobBytes int64   `json:"memory_blob_bytes"`
+	CachedBytes     int64   `json:"cached_bytes"`
 	Seconds         float64 `json:"seconds"`
 }
 
@@ -57,8 +61,9 @@ func (c *cli) forkEvalNumpy(tag string, n int) {
 // python snapshot pushed to a real registry (Debian's docker-registry,
 // self-signed TLS, htpasswd) and pulled by digest into an empty data dir,
 // whose children eval numpy; a missing password refused; a second
-// snapshot of the image not sending its root filesystem again; pack and
-// unpack into a third data dir, which forks too. Sizes and times are logged for
+// snapshot of the image not sending its root filesystem again; a pull
+// killed half-way leaves no tag and the next one resumes; pack and unpack
+// into another data dir, which forks too. Sizes and times are logged for
 // docs/benchmarks.md, not asserted.
 func TestHubPushPullFork(t *testing.T) {
 	src := newCLI(t)
@@ -106,9 +111,51 @@ func TestHubPushPullFork(t *testing.T) {
 	t.Logf("pull python: %d bytes received, %.1fs; pull to %d children answering: %.1fs",
 		pull.NetReceived, pull.Seconds, hubForks, time.Since(start).Seconds())
 
+	// A pull killed half-way leaves no tag; run again, it fetches only
+	// the blobs it had not verified.
+	cut := newCLI(t)
+	byDigest := reg.Addr + "/forkd/python@" + push.Digest
+	cmd := exec.Command(forkdBin, append([]string{"pull", byDigest}, auth...)...)
+	cmd.Env, cmd.Stdin = cut.env, strings.NewReader(reg.Password)
+	testutil.Check(t, cmd.Start())
+	exited := make(chan error, 1)
+	go func() { exited <- cmd.Wait() }()
+	for verified(t, filepath.Join(cut.data, "hub", "blobs", "sha256")) < 3 {
+		select {
+		case err := <-exited:
+			t.Fatalf("the pull ended (%v) before it could be killed half-way", err)
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+	testutil.Check(t, cmd.Process.Kill())
+	<-exited
+	if out, _, code := cut.run("snapshot-info", "py"); code == 0 {
+		t.Fatalf("a killed pull left its tag:\n%s", out)
+	}
+	resumed := cut.hubOK(reg.Password, append([]string{"pull", byDigest}, auth...)...)
+	if resumed.CachedBytes == 0 || resumed.MovedBytes+resumed.CachedBytes > resumed.BlobBytes {
+		t.Errorf("resumed pull: %d bytes fetched, %d from its cache, of %d", resumed.MovedBytes, resumed.CachedBytes, resumed.BlobBytes)
+	}
+	t.Logf("resumed pull: %d bytes fetched, %d verified from the killed pull", resumed.MovedBytes, resumed.CachedBytes)
+
 	pack := filepath.Join(t.TempDir(), "py.tar")
 	src.hubOK("", "pack", "py", pack)
 	third := newCLI(t)
 	third.hubOK("", "unpack", pack, "--tag", "unpacked")
 	third.forkEvalNumpy("unpacked", 1)
+}
+
+// verified counts the blobs in a pull cache (not the temporary files).
+func verified(t *testing.T, dir string) int {
+	ents, err := os.ReadDir(dir)
+	if err != nil && !errors.Is(err, fs.ErrNotExist) {
+		t.Fatal(err)
+	}
+	n := 0
+	for _, e := range ents {
+		if !strings.HasPrefix(e.Name(), ".") {
+			n++
+		}
+	}
+	return n
 }

@@ -589,7 +589,9 @@ func (h *Hub) writeState(c *ArtifactConfig, path string) error {
 	if err != nil {
 		return fmt.Errorf("state: %w", err)
 	}
-	zr, err := zstd.NewReader(nil, zstd.WithDecoderConcurrency(1), zstd.WithDecoderMaxMemory(uint64(max(c.State.Bytes, 1))),
+	// The output is capped at the state's size; the window can be no
+	// smaller than zstd's least, however small the state.
+	zr, err := zstd.NewReader(nil, zstd.WithDecoderConcurrency(1), zstd.WithDecoderMaxMemory(uint64(max(c.State.Bytes, zstd.MinWindowSize))),
 		zstd.WithDecodeAllCapLimit(true))
 	if err != nil {
 		return err

@@ -82,12 +82,8 @@ func dial(ctx context.Context, ref string, rm Remote, push bool) (*registry, err
 		return nil, err
 	}
 	reg := r.Context().Registry
-	host := reg.RegistryStr()
-	if h, _, err := net.SplitHostPort(host); err == nil {
-		host = h
-	}
-	if rm.Insecure && !isLoopback(host) {
-		return nil, errdefs.InvalidArgument("--insecure (plain HTTP) is allowed only for a loopback registry, not %s", errdefs.Quote(reg.RegistryStr()))
+	if err := checkInsecure(r, rm.Insecure); err != nil {
+		return nil, err
 	}
 	tlsCfg := &tls.Config{MinVersion: tls.VersionTLS12}
 	if len(rm.CAPEM) > 0 {
@@ -370,14 +366,28 @@ func classify(ref string, err error) error {
 }
 
 // CheckRef checks a registry reference as Push (tagged: it must name a
-// tag) or Pull takes it, without reaching the registry.
-func CheckRef(ref string, tagged bool) error {
+// tag) or Pull takes it, and that plain HTTP (insecure) goes only to a
+// loopback registry, without reaching the registry.
+func CheckRef(ref string, tagged, insecure bool) error {
 	r, err := parseRef(ref)
 	if err != nil {
 		return err
 	}
 	if _, ok := r.(name.Tag); tagged && !ok {
 		return errdefs.InvalidArgument("reference %s: push to a tag (registry/repo:tag), not a digest", errdefs.Quote(ref))
+	}
+	return checkInsecure(r, insecure)
+}
+
+// checkInsecure refuses plain HTTP to a registry not on loopback.
+func checkInsecure(r name.Reference, insecure bool) error {
+	reg := r.Context().Registry
+	host := reg.RegistryStr()
+	if h, _, err := net.SplitHostPort(host); err == nil {
+		host = h
+	}
+	if insecure && !isLoopback(host) {
+		return errdefs.InvalidArgument("--insecure (plain HTTP) is allowed only for a loopback registry, not %s", errdefs.Quote(reg.RegistryStr()))
 	}
 	return nil
 }

@@ -30,7 +30,7 @@ func remote(ref string, tagged bool, auth *apiv1.RegistryAuth, caPEM string, ins
 	case caPEM != "" && !strings.Contains(caPEM, "-----BEGIN CERTIFICATE-----"):
 		return r, errdefs.InvalidArgument("ca_pem holds no PEM certificate")
 	}
-	if err := hub.CheckRef(ref, tagged); err != nil {
+	if err := hub.CheckRef(ref, tagged, insecure); err != nil {
 		return r, err
 	}
 	if auth != nil {

@@ -184,6 +184,8 @@ func (s *Server) confine(path, dir, what string, exists bool) (string, error) {
 		resolved = filepath.Join(resolved, filepath.Base(path))
 		if fi, err := os.Lstat(resolved); err == nil && fi.Mode()&fs.ModeSymlink != 0 {
 			return "", outside
+		} else if err == nil {
+			return "", errdefs.AlreadyExists("%s exists; pack writes a new file", errdefs.Quote(path))
 		}
 	}
 	return resolved, nil

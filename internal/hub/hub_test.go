@@ -410,7 +410,8 @@ func TestPullChainFetchesOnlyLinks(t *testing.T) {
 	base := src.makeSnapshot(t, "base", makeBoot(t), 32)
 	l1 := src.makeBranch(t, "l1", base)
 	l2 := src.makeBranch(t, "l2", l1)
-	if _, err := src.hub.Push(ctx, PushSpec{Tag: "base", Ref: reg.host + "/s:base", Remote: plain}); err != nil {
+	bres, err := src.hub.Push(ctx, PushSpec{Tag: "base", Ref: reg.host + "/s:base", Remote: plain})
+	if err != nil {
 		t.Fatal(err)
 	}
 	res, err := src.hub.Push(ctx, PushSpec{Tag: "l2", Ref: reg.host + "/s:l2", Remote: plain})
@@ -437,7 +438,10 @@ func TestPullChainFetchesOnlyLinks(t *testing.T) {
 	if len(pres.Links) != 3 || pres.Links[0].New || !pres.Links[1].New || !pres.Links[2].New {
 		t.Fatalf("links: %+v", pres.Links)
 	}
-	t.Logf("chain pull moved %d bytes for two links", links)
+	if pres.Moved != links || pres.Moved >= bres.Moved/4 {
+		t.Errorf("chain pull moved %d bytes (files %d), the base alone %d", pres.Moved, links, bres.Moved)
+	}
+	t.Logf("chain pull moved %d bytes for two links; the base is %d", links, bres.Moved)
 	got, err := dst.store.Get("l2")
 	if err != nil {
 		t.Fatal(err)

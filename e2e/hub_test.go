@@ -21,16 +21,20 @@ const hubForks = 10
 
 // transfer is the --json summary of push, pull, pack and unpack.
 type transfer struct {
-	Tag             string  `json:"tag"`
-	Digest          string  `json:"digest"`
-	BlobBytes       int64   `json:"blob_bytes"`
-	MovedBytes      int64   `json:"moved_bytes"`
-	NetSentBytes    int64   `json:"net_sent_bytes"`
-	NetReceived     int64   `json:"net_received_bytes"`
-	MemoryBytes     int64   `json:"memory_bytes"`
-	MemoryBlobBytes int64   `json:"memory_blob_bytes"`
-	CachedBytes     int64   `json:"cached_bytes"`
-	Seconds         float64 `json:"seconds"`
+	Tag             string `json:"tag"`
+	Digest          string `json:"digest"`
+	BlobBytes       int64  `json:"blob_bytes"`
+	MovedBytes      int64  `json:"moved_bytes"`
+	NetSentBytes    int64  `json:"net_sent_bytes"`
+	NetReceived     int64  `json:"net_received_bytes"`
+	MemoryBytes     int64  `json:"memory_bytes"`
+	MemoryBlobBytes int64  `json:"memory_blob_bytes"`
+	CachedBytes     int64  `json:"cached_bytes"`
+	Links           []struct {
+		Tag string `json:"tag"`
+		New bool   `json:"new"`
+	} `json:"links"`
+	Seconds float64 `json:"seconds"`
 }
 
 // hubOK runs forkd args... --json with stdin and returns its summary.
@@ -61,7 +65,8 @@ func (c *cli) forkEvalNumpy(tag string, n int) {
 // python snapshot pushed to a real registry (Debian's docker-registry,
 // self-signed TLS, htpasswd) and pulled by digest into an empty data dir,
 // whose children eval numpy; a missing password refused; a second
-// snapshot of the image not sending its root filesystem again; a pull
+// snapshot of the image not sending its root filesystem again; a
+// depth-2 chain pulled where its base is moving only its links; a pull
 // killed half-way leaves no tag and the next one resumes; pack and unpack
 // into another data dir, which forks too. Sizes and times are logged for
 // docs/benchmarks.md, not asserted.
@@ -110,6 +115,24 @@ func TestHubPushPullFork(t *testing.T) {
 	dst.forkEvalNumpy("py", hubForks)
 	t.Logf("pull python: %d bytes received, %.1fs; pull to %d children answering: %.1fs",
 		pull.NetReceived, pull.Seconds, hubForks, time.Since(start).Seconds())
+
+	// A depth-2 chain of branches, pulled where its base is: only the
+	// links move, and its children see both links' state.
+	c1 := src.forkIDs("--tag", "py", "-n", "1")[0]
+	src.ok("eval", c1, "--", "y = 1")
+	src.ok("branch", c1, "--tag", "l1", "--mode", "diff")
+	c2 := src.forkIDs("--tag", "l1", "-n", "1")[0]
+	src.ok("eval", c2, "--", "z = 2")
+	src.ok("branch", c2, "--tag", "l2", "--mode", "diff")
+	chain := src.hubOK(reg.Password, append([]string{"push", "l2", reg.Addr + "/forkd/python:l2"}, auth...)...)
+	cpull := dst.hubOK(reg.Password, append([]string{"pull", reg.Addr + "/forkd/python:l2"}, auth...)...)
+	if len(cpull.Links) != 3 || cpull.Links[0].New || !cpull.Links[1].New || !cpull.Links[2].New ||
+		cpull.MovedBytes >= push.MemoryBlobBytes {
+		t.Errorf("chain pull where its base is: links %+v, %d bytes moved (the base's memory alone is %d)", cpull.Links, cpull.MovedBytes, push.MemoryBlobBytes)
+	}
+	dst.evalIs(dst.forkIDs("--tag", "l2", "-n", "1")[0], "(y, z, numpy.zeros(5).sum())", "(1, 2, 0.0)")
+	t.Logf("depth-2 chain: push %d bytes sent, %.1fs; pull where the base is: %d bytes moved, %.1fs",
+		chain.MovedBytes, chain.Seconds, cpull.MovedBytes, cpull.Seconds)
 
 	// A pull killed half-way leaves no tag; run again, it fetches only
 	// the blobs it had not verified.

@@ -52,6 +52,7 @@ type netStats struct {
 type registry struct {
 	repo   name.Repository
 	ref    name.Reference
+	user   string // the --username given ("": the keychain's)
 	hc     *http.Client
 	pusher *remote.Pusher
 	stats  *netStats
@@ -120,9 +121,9 @@ func dial(ctx context.Context, ref string, rm Remote, push bool) (*registry, err
 	}
 	rt, err := transport.NewWithContext(ctx, reg, auth, inner, []string{r.Context().Scope(scope)})
 	if err != nil {
-		return nil, classify(ref, err)
+		return nil, classify(ref, rm.Username, err)
 	}
-	g := &registry{repo: r.Context(), ref: r, hc: &http.Client{Transport: rt}, stats: stats}
+	g := &registry{repo: r.Context(), ref: r, user: rm.Username, hc: &http.Client{Transport: rt}, stats: stats}
 	if push {
 		if g.pusher, err = remote.NewPusher(remote.WithTransport(rt), remote.WithContext(ctx), remote.WithJobs(2)); err != nil {
 			return nil, err
@@ -184,14 +185,14 @@ func (g *registry) do(ctx context.Context, method, u string, accept string) (*ht
 	}
 	resp, err := g.hc.Do(req)
 	if err != nil {
-		return nil, classify(g.ref.String(), err)
+		return nil, classify(g.ref.String(), g.user, err)
 	}
 	if resp.StatusCode/100 == 2 {
 		return resp, nil
 	}
 	defer resp.Body.Close()
 	if err := transport.CheckError(resp, http.StatusOK); err != nil {
-		return nil, classify(g.ref.String(), err)
+		return nil, classify(g.ref.String(), g.user, err)
 	}
 	return nil, errdefs.Unavailable("%s %s: %s", method, u, resp.Status)
 }
@@ -210,7 +211,7 @@ func (g *registry) manifest(ctx context.Context, ref string, limit int64) ([]byt
 	}
 	raw, err := io.ReadAll(io.LimitReader(resp.Body, limit+1))
 	if err != nil {
-		return nil, "", classify(g.ref.String(), err)
+		return nil, "", classify(g.ref.String(), g.user, err)
 	}
 	if int64(len(raw)) > limit {
 		return nil, "", errdefs.InvalidArgument("manifest %s is over %d bytes (the limit)", ref, limit)
@@ -237,7 +238,7 @@ func (g *registry) blob(ctx context.Context, digest string, size int64, w io.Wri
 	n, err := io.Copy(w, io.LimitReader(resp.Body, size+1))
 	switch {
 	case err != nil:
-		return classify(g.ref.String(), err)
+		return classify(g.ref.String(), g.user, err)
 	case n > size:
 		return errdefs.InvalidArgument("blob %s is over the %d bytes its manifest says", digest, size)
 	case n < size:
@@ -271,7 +272,7 @@ func (g *registry) put(ctx context.Context, b blob) error {
 		return err
 	}
 	if err := g.pusher.Upload(ctx, g.repo, &staticLayer{b: b, h: h}); err != nil {
-		return classify(g.ref.String(), err)
+		return classify(g.ref.String(), g.user, err)
 	}
 	return nil
 }
@@ -284,7 +285,7 @@ func (g *registry) putManifest(ctx context.Context, raw []byte, digest, tag stri
 		ref = g.repo.Tag(tag)
 	}
 	if err := g.pusher.Put(ctx, ref, rawManifest(raw)); err != nil {
-		return classify(g.ref.String(), err)
+		return classify(g.ref.String(), g.user, err)
 	}
 	return nil
 }
@@ -326,8 +327,9 @@ func (l *staticLayer) MediaType() (types.MediaType, error) {
 	return types.MediaType(l.b.mediaType), nil
 }
 
-// classify gives an error of a registry call a class.
-func classify(ref string, err error) error {
+// classify gives an error of a registry call a class; user is the
+// account given for it ("": the keychain's, or none).
+func classify(ref, user string, err error) error {
 	if err == nil || errdefs.Classed(err) {
 		return err
 	}
@@ -341,14 +343,14 @@ func classify(ref string, err error) error {
 			case transport.ManifestUnknownErrorCode, transport.NameUnknownErrorCode, transport.BlobUnknownErrorCode:
 				return errdefs.NotFound("%s: %w", ref, err)
 			case transport.UnauthorizedErrorCode, transport.DeniedErrorCode:
-				return errdefs.Unauthenticated("%s: %w", ref, err)
+				return errdefs.Unauthenticated("%s: %s: %w", ref, refused(user), err)
 			}
 		}
 		switch terr.StatusCode {
 		case http.StatusNotFound:
 			return errdefs.NotFound("%s: %w", ref, err)
 		case http.StatusUnauthorized, http.StatusForbidden:
-			return errdefs.Unauthenticated("%s: %w (give credentials: docker login, or --username with --password-stdin)", ref, err)
+			return errdefs.Unauthenticated("%s: %s: %w", ref, refused(user), err)
 		}
 		return errdefs.Unavailable("%s: %w", ref, err)
 	}
@@ -390,4 +392,12 @@ func checkInsecure(r name.Reference, insecure bool) error {
 		return errdefs.InvalidArgument("--insecure (plain HTTP) is allowed only for a loopback registry, not %s", errdefs.Quote(reg.RegistryStr()))
 	}
 	return nil
+}
+
+// refused says why a registry answered 401 or 403, and what to do.
+func refused(user string) string {
+	if user != "" {
+		return fmt.Sprintf("the registry refused user %s (check the password or token given with --password-stdin, and the user's rights to the repository)", errdefs.Quote(user))
+	}
+	return "the registry wants credentials this host has not given (docker login, or --username with --password-stdin)"
 }

@@ -37,8 +37,8 @@ func TestRealRegistry(t *testing.T) {
 		is    func(error) bool
 		words string
 	}{
-		{"wrong password", Remote{Username: reg.User, Password: "not-it", CAPEM: ca}, errdefs.IsUnauthenticated, "--password-stdin"},
-		{"no credentials", Remote{CAPEM: ca, Keychain: noKeychain{}}, errdefs.IsUnauthenticated, "--password-stdin"},
+		{"wrong password", Remote{Username: reg.User, Password: "not-it", CAPEM: ca}, errdefs.IsUnauthenticated, `refused user "forkd"`},
+		{"no credentials", Remote{CAPEM: ca, Keychain: noKeychain{}}, errdefs.IsUnauthenticated, "wants credentials"},
 		{"untrusted CA", Remote{Username: reg.User, Password: reg.Password}, errdefs.IsFailedPrecondition, "--ca-file"},
 	}
 	for _, c := range refusals {

@@ -182,6 +182,11 @@ type LiveSaver interface {
 type LiveSaveSpec struct {
 	// StateFile receives the device state.
 	StateFile string
+	// Disks are switched to new overlays (as DiskSnapshotter.SnapshotDisk
+	// does) during the final pause, so that each disk's image as it was at
+	// the switch-over stays with the saved state; the machine must then be
+	// a DiskSnapshotter. An error from one fails the save.
+	Disks []DiskSnapshot
 	// Page receives guest RAM: the page at byte offset guestOffset of the
 	// memory file (a multiple of 4096), data its 4096 bytes, or nil for a
 	// page of zeros. Every page comes at least once; one the guest
@@ -214,6 +219,37 @@ type LiveStats struct {
 	// RAM sent again because the VMM's dirty tracking had missed their
 	// last change (QEMU 7.2 under TCG).
 	Resent int64
+}
+
+// DiskSnapshotter is implemented by machines whose writable disks can be
+// frozen while the machine runs on: the disk's current image becomes the
+// read-only backing file of a new overlay that takes the guest's writes
+// from then on, so that the current image can be kept (hard-linked under a
+// stable name) as a layer other machines start from.
+type DiskSnapshotter interface {
+	// SnapshotDisk makes the qcow2 image at overlay the top of disk
+	// index: the guest's writes go there from now on, its reads fall
+	// through to the disk's current image. The overlay must exist, be
+	// empty, and name the disk's current image (by a path that stays
+	// valid) as its backing file, which is left as it is in its header.
+	// The machine must be paused (FailedPrecondition otherwise), so that
+	// the current image is complete: every write the guest was told was
+	// done is in it. It stays paused. A disk that is read-only or out of
+	// range is InvalidArgument. Not idempotent: each call stacks one more
+	// overlay.
+	SnapshotDisk(ctx context.Context, index int, overlay string) error
+	// ResizeDisk sets disk index's size to bytes and tells the guest, which
+	// sees the new capacity at once (its device raises a configuration
+	// change). A restored machine's guest knows the size its snapshot's
+	// disk had, whatever the size of the image it was restored with, until
+	// this is called. Growing a qcow2 or raw image grows the file.
+	ResizeDisk(ctx context.Context, index int, bytes int64) error
+}
+
+// DiskSnapshot names a disk and the overlay that becomes its top.
+type DiskSnapshot struct {
+	Index   int
+	Overlay string
 }
 
 // Capabilities lists optional behaviour of a backend.
@@ -249,7 +285,22 @@ type Resources struct {
 type Disk struct {
 	Path     string `json:"path"`
 	ReadOnly bool   `json:"read_only"`
+	// Format is the image format: "raw" (or "") or "qcow2". A qcow2
+	// image's backing files are opened by the paths its header names,
+	// when the VMM starts.
+	Format string `json:"format,omitempty"`
+	// Serial is the serial number the guest reads from the device
+	// (virtio-blk: /sys/block/vdX/serial, at most 20 bytes). It is part of
+	// the machine's identity: given at Boot, it is kept in the machine's
+	// Config, and a Restore's own Serial is ignored.
+	Serial string `json:"serial,omitempty"`
 }
+
+// Disk formats.
+const (
+	FormatRaw   = "raw"
+	FormatQCOW2 = "qcow2"
+)
 
 // NIC attaches the guest to a tap device in the netns the VMM runs in.
 type NIC struct {

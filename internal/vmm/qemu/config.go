@@ -3,6 +3,7 @@ package qemu
 import (
 	"encoding/json"
 	"fmt"
+	"regexp"
 	"strconv"
 	"strings"
 
@@ -14,16 +15,19 @@ import (
 // repeat exactly for QEMU to accept the saved device state. It is stored
 // with a snapshot (vmm.Handle.Config) and never includes host paths.
 type machineConfig struct {
-	Version   string   `json:"qemu_version"`
-	Machine   string   `json:"machine"` // "microvm" or "q35"
-	Accel     string   `json:"accel"`   // "tcg" or "kvm"
-	TBSizeMiB int      `json:"tb_size_mib,omitempty"`
-	CPU       string   `json:"cpu"`
-	MemoryMiB int      `json:"memory_mib"`
-	VCPUs     int      `json:"vcpus"`
-	Disks     int      `json:"disks"`
-	NICs      []string `json:"nic_macs,omitempty"`
-	TSCkHz    int      `json:"tsc_khz,omitempty"`
+	Version   string `json:"qemu_version"`
+	Machine   string `json:"machine"` // "microvm" or "q35"
+	Accel     string `json:"accel"`   // "tcg" or "kvm"
+	TBSizeMiB int    `json:"tb_size_mib,omitempty"`
+	CPU       string `json:"cpu"`
+	MemoryMiB int    `json:"memory_mib"`
+	VCPUs     int    `json:"vcpus"`
+	Disks     int    `json:"disks"`
+	// DiskSerials are the disks' serial numbers by index ("" for none;
+	// absent when no disk has one).
+	DiskSerials []string `json:"disk_serials,omitempty"`
+	NICs        []string `json:"nic_macs,omitempty"`
+	TSCkHz      int      `json:"tsc_khz,omitempty"`
 	// Argv is identityArgs() as it was when the machine booted; a restore
 	// refuses a snapshot whose identity this code would now spell
 	// differently.
@@ -88,7 +92,11 @@ func (c machineConfig) identityArgs() argv {
 	bus := c.bus()
 	a.add("-device", "virtio-serial-"+bus, "-device", "virtconsole,chardev=agent,id=con0")
 	for i := 0; i < c.Disks; i++ {
-		a.add("-device", fmt.Sprintf("virtio-blk-%s,drive=disk%d,id=blk%d", bus, i, i))
+		dev := fmt.Sprintf("virtio-blk-%s,drive=disk%d,id=blk%d", bus, i, i)
+		if i < len(c.DiskSerials) && c.DiskSerials[i] != "" {
+			dev += ",serial=" + c.DiskSerials[i]
+		}
+		a.add("-device", dev)
 	}
 	for i, mac := range c.NICs {
 		a.add("-device", fmt.Sprintf("virtio-net-%s,netdev=net%d,mac=%s,id=nic%d", bus, i, mac, i))
@@ -144,9 +152,18 @@ func (c machineConfig) instanceArgs(in instance) argv {
 		a.add("-serial", "null")
 	}
 	for i, d := range in.disks {
-		opt := fmt.Sprintf("file=%s,if=none,id=disk%d,format=raw", escapeOpt(d.Path), i)
+		format := d.Format
+		if format == "" {
+			format = vmm.FormatRaw
+		}
+		opt := fmt.Sprintf("file=%s,if=none,id=disk%d,format=%s", escapeOpt(d.Path), i, format)
 		if d.ReadOnly {
 			opt += ",readonly=on"
+		} else {
+			// With auto-read-only, QEMU reopens a file by its path
+			// when it drops write access (a migration's end, an image
+			// becoming a backing file): impossible from its chroot.
+			opt += ",auto-read-only=off"
 		}
 		a.add("-drive", opt)
 	}
@@ -158,6 +175,23 @@ func (c machineConfig) instanceArgs(in instance) argv {
 	}
 	return a
 }
+
+// checkDisks checks what of disks QEMU reads as options.
+func checkDisks(disks []vmm.Disk) error {
+	for i, d := range disks {
+		switch d.Format {
+		case "", vmm.FormatRaw, vmm.FormatQCOW2:
+		default:
+			return errdefs.InvalidArgument("disk %d: format %q: want raw or qcow2", i, d.Format)
+		}
+		if !serialRE.MatchString(d.Serial) {
+			return errdefs.InvalidArgument("disk %d: serial %q: want at most 20 of [A-Za-z0-9._-]", i, d.Serial)
+		}
+	}
+	return nil
+}
+
+var serialRE = regexp.MustCompile(`^[A-Za-z0-9._-]{0,20}$`)
 
 // escapeOpt doubles commas, QEMU's option-value escape.
 func escapeOpt(s string) string { return strings.ReplaceAll(s, ",", ",,") }

@@ -107,3 +107,38 @@ func TestValidateRefusesSmuggledOptions(t *testing.T) {
 		}
 	}
 }
+
+func TestDiskArgs(t *testing.T) {
+	c := machineConfig{Machine: "microvm", Accel: "tcg", CPU: "qemu64", MemoryMiB: 256, VCPUs: 1, Disks: 2,
+		DiskSerials: []string{"", "forkd-scratch"}}
+	id := strings.Join(c.identityArgs(), " ")
+	for _, want := range []string{
+		"-device virtio-blk-device,drive=disk0,id=blk0 ",
+		"-device virtio-blk-device,drive=disk1,id=blk1,serial=forkd-scratch",
+	} {
+		if !strings.Contains(id+" ", want) {
+			t.Errorf("identity args lack %q:\n%s", want, id)
+		}
+	}
+	args := strings.Join(c.instanceArgs(instance{name: "sb-x", disks: []vmm.Disk{
+		{Path: "/img/root.ext4", ReadOnly: true},
+		{Path: "/run/sb-x/scratch.qcow2", Format: vmm.FormatQCOW2},
+	}}), " ")
+	for _, want := range []string{
+		"file=/img/root.ext4,if=none,id=disk0,format=raw,readonly=on ",
+		// A writable drive is never reopened by path: QEMU is chrooted.
+		"file=/run/sb-x/scratch.qcow2,if=none,id=disk1,format=qcow2,auto-read-only=off ",
+	} {
+		if !strings.Contains(args+" ", want) {
+			t.Errorf("instance args lack %q:\n%s", want, args)
+		}
+	}
+	for _, d := range []vmm.Disk{{Format: "vmdk"}, {Serial: "a,b"}, {Serial: strings.Repeat("s", 21)}} {
+		if err := checkDisks([]vmm.Disk{d}); err == nil {
+			t.Errorf("checkDisks(%+v) accepted", d)
+		}
+	}
+	if err := checkDisks([]vmm.Disk{{Format: "qcow2", Serial: "forkd-scratch"}, {}}); err != nil {
+		t.Error(err)
+	}
+}

@@ -39,7 +39,8 @@ const (
 // dirty tracking) writes into a socketpair whose other end consumeLive
 // takes apart while the guest runs. At completion QEMU leaves the machine
 // stopped in postmigrate; cont resumes it and re-activates its disks,
-// which completion inactivated.
+// which completion inactivated. spec.Disks are switched to their new
+// overlays before that cont (snapshotDisk works on inactive nodes).
 //
 // QEMU completes once what is left to copy fits in downtime-limit at the
 // measured speed. Two things bound a guest that dirties memory faster:
@@ -74,6 +75,11 @@ func (m *Machine) SaveLive(ctx context.Context, spec vmm.LiveSaveSpec) (vmm.Live
 	}
 	if spec.MaxDowntime < time.Millisecond || spec.MaxDowntime > maxDowntimeLimit || spec.Timeout < 0 {
 		return vmm.LiveStats{}, errdefs.InvalidArgument("live save: downtime %v, timeout %v", spec.MaxDowntime, spec.Timeout)
+	}
+	for _, d := range spec.Disks {
+		if d.Index < 0 || d.Index >= m.cfg.Disks || d.Overlay == "" {
+			return vmm.LiveStats{}, errdefs.InvalidArgument("live save: disk %d of %d, overlay %q", d.Index, m.cfg.Disks, d.Overlay)
+		}
 	}
 	if err := m.check(); err != nil {
 		return vmm.LiveStats{}, err
@@ -262,6 +268,14 @@ func (ls *liveSave) run(ctx context.Context, spec vmm.LiveSaveSpec) (vmm.LiveSta
 			return vmm.LiveStats{}, fmt.Errorf("check guest pages: %w", err)
 		}
 		resent = n
+	}
+	// The disks as they are now go with the state: from here on the
+	// guest writes to new overlays. Completion left their nodes inactive
+	// (flushed); cont activates them and the new ones.
+	for _, d := range spec.Disks {
+		if err := ls.m.snapshotDisk(ctx, ls.q, d.Index, d.Overlay); err != nil {
+			return vmm.LiveStats{}, err
+		}
 	}
 	if err := resume(ctx, ls.q); err != nil {
 		return vmm.LiveStats{}, err

@@ -65,12 +65,13 @@ type Backend struct {
 }
 
 var (
-	_ vmm.Backend     = (*Backend)(nil)
-	_ vmm.Parker      = (*Backend)(nil)
-	_ vmm.Machine     = (*Machine)(nil)
-	_ vmm.DeviceSaver = (*Machine)(nil)
-	_ vmm.LiveSaver   = (*Machine)(nil)
-	_ vmm.Parked      = (*parked)(nil)
+	_ vmm.Backend         = (*Backend)(nil)
+	_ vmm.Parker          = (*Backend)(nil)
+	_ vmm.Machine         = (*Machine)(nil)
+	_ vmm.DeviceSaver     = (*Machine)(nil)
+	_ vmm.LiveSaver       = (*Machine)(nil)
+	_ vmm.DiskSnapshotter = (*Machine)(nil)
+	_ vmm.Parked          = (*parked)(nil)
 )
 
 // New returns a QEMU backend. It resolves the binary and accelerator now so
@@ -170,6 +171,14 @@ func (b *Backend) newConfig(ctx context.Context, spec vmm.BootSpec) (machineConf
 		VCPUs:     spec.Resources.VCPUs,
 		Disks:     len(spec.Disks),
 	}
+	for i, d := range spec.Disks {
+		if d.Serial != "" {
+			if c.DiskSerials == nil {
+				c.DiskSerials = make([]string, len(spec.Disks))
+			}
+			c.DiskSerials[i] = d.Serial
+		}
+	}
 	for _, n := range spec.NICs {
 		c.NICs = append(c.NICs, n.MAC)
 	}
@@ -196,6 +205,9 @@ func (b *Backend) Boot(ctx context.Context, spec vmm.BootSpec) (vmm.Machine, err
 	}
 	if spec.Kernel == "" {
 		return nil, errdefs.InvalidArgument("boot: no kernel")
+	}
+	if err := checkDisks(spec.Disks); err != nil {
+		return nil, err
 	}
 	cfg, err := b.newConfig(ctx, spec)
 	if err != nil {
@@ -243,6 +255,9 @@ func (b *Backend) Park(ctx context.Context, spec vmm.ParkSpec) (vmm.Parked, erro
 	}
 	if len(spec.Disks) != cfg.Disks || len(spec.NICs) != len(cfg.NICs) {
 		return nil, errdefs.InvalidArgument("restore needs %d disks and %d NICs like its snapshot, got %d and %d", cfg.Disks, len(cfg.NICs), len(spec.Disks), len(spec.NICs))
+	}
+	if err := checkDisks(spec.Disks); err != nil {
+		return nil, err
 	}
 	if _, err := os.Stat(spec.MemoryFile); err != nil {
 		return nil, errdefs.NotFound("memory file: %w", err)

@@ -15,6 +15,7 @@ func (r *run) imageTools(ctx context.Context) Check {
 		{"busybox", "busybox-static", "the minimal image"},
 		{"mkfs.ext4", "e2fsprogs", "rootfs images"},
 		{"debootstrap", "debootstrap", "the python image"},
+		{"qemu-img", "qemu-utils", "sandboxes with a writable disk, fork --disk-mib"},
 	}
 	var missing, pkgs, why []string
 	for _, t := range tools {
@@ -32,7 +33,7 @@ func (r *run) imageTools(ctx context.Context) Check {
 		return Check{Status: st, Detail: "missing " + strings.Join(missing, ", ") + " (needed for " + strings.Join(why, "; ") + ")",
 			Hint: "apt-get install " + strings.Join(pkgs, " ")}
 	}
-	return Check{Status: Pass, Detail: "dpkg-deb, apt-get, busybox, mkfs.ext4 and debootstrap found"}
+	return Check{Status: Pass, Detail: "dpkg-deb, apt-get, busybox, mkfs.ext4, debootstrap and qemu-img found"}
 }
 
 // agent checks the forkd-agent binary put into every image.

@@ -132,7 +132,7 @@ func expect(t *testing.T, rep Report, want map[string]Status, contains map[strin
 }
 
 // imageTool names the commands the image-tools check looks for.
-var imageTool = map[string]bool{"dpkg-deb": true, "apt-get": true, "busybox": true, "mkfs.ext4": true, "debootstrap": true}
+var imageTool = map[string]bool{"dpkg-deb": true, "apt-get": true, "busybox": true, "mkfs.ext4": true, "debootstrap": true, "qemu-img": true}
 
 func TestThisKindOfHost(t *testing.T) {
 	h := newFakeHost(t)

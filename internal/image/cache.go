@@ -32,6 +32,7 @@ import (
 //	initramfs/<key>.cpio.gz         key = sha256 of everything that goes in
 //	rootfs/<key>/                   rootfs.ext4, rootfs.json; key = sha256 of the recipe
 //	images/<name>.json              images imported with FromOCI
+//	disk/<name>                     sandboxes' disk bases and placeholder (disk.go)
 //	locks/<kind>-<key>.lock         flock(2) files serialising builders of one entry
 //
 // Entries are built in ".staging-<key>-*" (directories) or ".tmp-<key>-*"

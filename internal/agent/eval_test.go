@@ -3,6 +3,9 @@ package agent_test
 import (
 	"bytes"
 	"encoding/json"
+	"os"
+	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -11,6 +14,7 @@ import (
 	"github.com/forkd/forkd/internal/agent/proto"
 	"github.com/forkd/forkd/internal/errdefs"
 	"github.com/forkd/forkd/internal/guest"
+	"github.com/forkd/forkd/internal/testutil"
 )
 
 func evalGuest(t *testing.T) *agent.Client {
@@ -274,5 +278,50 @@ func TestEvalTimeoutWhileStreamBlocked(t *testing.T) {
 	}
 	if streamed > proto.InitialWindow {
 		t.Fatalf("%d bytes streamed past a %d-byte window", streamed, proto.InitialWindow)
+	}
+}
+
+// TestInitDisk attaches a disk by init: once (a second init naming it, a
+// child of a branch, has nothing to do), never another one; the warm
+// interpreter follows the root, working in the directory of the same path
+// afterwards.
+func TestInitDisk(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "home")
+	testutil.Mkdir(t, dir, 0o755)
+	cd := startGuest(t, guest.Config{Python: python(t), PythonDir: dir})
+	cd.sys.mu.Lock()
+	cd.sys.attach = func(proto.Disk) error {
+		// In the new root the path names another directory.
+		if err := os.Rename(dir, dir+".old"); err != nil {
+			return err
+		}
+		return os.Mkdir(dir, 0o755)
+	}
+	cd.sys.mu.Unlock()
+	c := cd.dial()
+	if !slices.Contains(c.Features(), proto.FeatureDisk) {
+		t.Fatalf("features %v lack %s", c.Features(), proto.FeatureDisk)
+	}
+	ctx := testCtx(t)
+	d := proto.Disk{Serial: "forkd-scratch", MiB: 64}
+	testutil.Check(t, c.Init(ctx, proto.InitRequest{Hostname: "a", Disk: &d}))
+	if res := mustEval(t, c, "open('f', 'w').write('x')"); res.Error != nil {
+		t.Fatalf("write in the interpreter: %+v", res.Error)
+	}
+	if _, err := os.Stat(filepath.Join(dir, "f")); err != nil {
+		t.Fatalf("the interpreter did not follow the root: %v", err)
+	}
+	testutil.Check(t, c.Init(ctx, proto.InitRequest{Hostname: "b", Disk: &d}))
+	if err := c.Init(ctx, proto.InitRequest{Disk: &proto.Disk{Serial: "forkd-scratch", MiB: 128}}); !errdefs.IsFailedPrecondition(err) {
+		t.Fatalf("init with another disk = %v, want FailedPrecondition", err)
+	}
+	if err := c.Init(ctx, proto.InitRequest{Disk: &proto.Disk{}}); !errdefs.IsInvalidArgument(err) {
+		t.Fatalf("init with an empty disk = %v, want InvalidArgument", err)
+	}
+	cd.sys.mu.Lock()
+	n := len(cd.sys.disks)
+	cd.sys.mu.Unlock()
+	if n != 1 {
+		t.Fatalf("the disk was attached %d times", n)
 	}
 }

@@ -58,6 +58,9 @@ type fakeSystem struct {
 	time     time.Time
 	entropy  []byte
 	hostname string
+	disks    []proto.Disk
+	// attach, if set, is what attaching a disk does to the host.
+	attach func(proto.Disk) error
 }
 
 func (f *fakeSystem) system() guest.System {
@@ -78,6 +81,15 @@ func (f *fakeSystem) system() guest.System {
 			f.mu.Lock()
 			defer f.mu.Unlock()
 			f.hostname = s
+			return nil
+		},
+		AttachDisk: func(d proto.Disk) error {
+			f.mu.Lock()
+			defer f.mu.Unlock()
+			f.disks = append(f.disks, d)
+			if f.attach != nil {
+				return f.attach(d)
+			}
 			return nil
 		},
 	}

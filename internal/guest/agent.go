@@ -100,6 +100,9 @@ type Agent struct {
 	idMu      sync.Mutex
 	sandboxID string // guarded by idMu
 	hostname  string // guarded by idMu
+
+	diskMu sync.Mutex  // held while a disk is attached
+	disk   *proto.Disk // guarded by diskMu; the disk the root is on, nil: RAM
 }
 
 // New returns an Agent and starts its Python interpreter, if configured, in
@@ -158,7 +161,7 @@ func (a *Agent) Close() error {
 
 // features lists what this agent offers.
 func (a *Agent) features() []string {
-	f := []string{proto.FeatureExec, proto.FeatureFiles, proto.FeatureProcesses}
+	f := []string{proto.FeatureExec, proto.FeatureFiles, proto.FeatureProcesses, proto.FeatureDisk}
 	if a.py != nil {
 		f = append(f, proto.FeatureEval)
 	}

@@ -7,6 +7,7 @@
 # requests on fd 3, replies on fd 4.
 #   request  {"id": N, "op": "eval", "code": "..."}
 #            {"id": N, "op": "reseed", "seed": "<hex>"}
+#            {"id": N, "op": "chdir", "path": "/root"}
 #   reply    {"t": "ready", "python": "...", "preloaded": [...], "failed": {...}}
 #            {"id": N, "t": "out"|"err", "s": "..."}     output of call N
 #            {"id": N, "t": "done", "value": ..., "error": {...},
@@ -243,6 +244,15 @@ def main():
         elif op == "reseed":
             try:
                 _reseed(bytes.fromhex(req.get("seed", "")))
+            except Exception as e:
+                _send({"id": cid, "t": "done", "error": {"name": type(e).__name__, "message": str(e)}})
+                continue
+            _send({"id": cid, "t": "done"})
+        elif op == "chdir":
+            # The root moved under the interpreter (a disk was attached):
+            # the agent gives the path of its directory, to take again.
+            try:
+                os.chdir(req.get("path", "/"))
             except Exception as e:
                 _send({"id": cid, "t": "done", "error": {"name": type(e).__name__, "message": str(e)}})
                 continue

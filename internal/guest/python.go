@@ -6,8 +6,10 @@ import (
 	_ "embed"
 	"encoding/hex"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"os"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -349,6 +351,7 @@ type pyReq struct {
 	Op   string `json:"op"`
 	Code string `json:"code,omitempty"`
 	Seed string `json:"seed,omitempty"`
+	Path string `json:"path,omitempty"`
 }
 
 // send writes one request line and returns its id.
@@ -437,6 +440,58 @@ func (in *interp) reseed(seed []byte) {
 		defer in.release()
 		do(p)
 	}()
+}
+
+// workDir returns the interpreter's working directory ("" when there is
+// no interpreter, or it cannot be told).
+func (in *interp) workDir() string {
+	if in == nil {
+		return ""
+	}
+	in.mu.Lock()
+	p := in.cur
+	in.mu.Unlock()
+	if p == nil || p.isDead() {
+		return ""
+	}
+	dir, err := os.Readlink("/proc/" + strconv.Itoa(p.pid) + "/cwd")
+	if err != nil {
+		return ""
+	}
+	return dir
+}
+
+// chdir makes the interpreter change its working directory to dir (a
+// path, resolved in its root now) and waits, up to 5 s or until ctx ends,
+// for it to have done so. It waits for an eval in progress to end first.
+func (in *interp) chdir(ctx context.Context, dir string) error {
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	p, err := in.acquire(ctx)
+	if err != nil {
+		return err
+	}
+	defer in.release()
+	id, err := in.send(p, pyReq{Op: "chdir", Path: dir})
+	if err != nil {
+		return err
+	}
+	for {
+		select {
+		case m, ok := <-p.msgs:
+			if !ok {
+				return errors.New("the interpreter exited")
+			}
+			if m.ID == id && m.T == "done" {
+				if m.Error != nil {
+					return fmt.Errorf("%s: %s", m.Error.Name, m.Error.Message)
+				}
+				return nil
+			}
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
 }
 
 // stop kills the interpreter for good (Agent.Close).

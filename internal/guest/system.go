@@ -28,11 +28,14 @@ type System struct {
 	// SetHostname sets the kernel hostname (and /etc/hostname when
 	// writable).
 	SetHostname func(string) error
+	// AttachDisk moves the root's writable layer onto a disk (see
+	// proto.Disk): once it returns, files written to the root go there.
+	AttachDisk func(proto.Disk) error
 }
 
 // RealSystem acts on the machine the agent runs on.
 func RealSystem() System {
-	return System{SetTime: setClock, AddEntropy: addEntropy, SetHostname: setHostname}
+	return System{SetTime: setClock, AddEntropy: addEntropy, SetHostname: setHostname, AttachDisk: attachDiskRoot}
 }
 
 func (s System) withDefaults() System {
@@ -45,6 +48,9 @@ func (s System) withDefaults() System {
 	}
 	if s.SetHostname == nil {
 		s.SetHostname = r.SetHostname
+	}
+	if s.AttachDisk == nil {
+		s.AttachDisk = r.AttachDisk
 	}
 	return s
 }
@@ -146,9 +152,14 @@ func (a *Agent) init(ctx context.Context, r *request, args json.RawMessage) (any
 		// A parent is snapshotted after its init: its interpreter must be
 		// warm by then.
 		a.py.waitStarted(ctx)
-		if len(req.Entropy) > 0 {
-			a.py.reseed(req.Entropy)
+	}
+	if req.Disk != nil {
+		if err := a.attachDisk(ctx, *req.Disk); err != nil {
+			errs = append(errs, err)
 		}
+	}
+	if a.py != nil && len(req.Entropy) > 0 {
+		a.py.reseed(req.Entropy)
 	}
 	if len(errs) > 0 {
 		return nil, fmt.Errorf("init: %w", errors.Join(errs...))

@@ -37,6 +37,9 @@ const (
 	// FeatureLimits: the agent runs its processes in a workload cgroup
 	// and applies InitRequest.PIDsLimit.
 	FeatureLimits = "limits"
+	// FeatureDisk: the agent moves the root's writable layer onto a disk
+	// when InitRequest.Disk asks.
+	FeatureDisk = "disk"
 )
 
 // Operations named in Request.Op.
@@ -143,6 +146,22 @@ type InitRequest struct {
 	// agent's default, which it derives from the guest's RAM; agents
 	// without FeatureLimits ignore it.
 	PIDsLimit int `json:"pids_limit,omitempty"`
+	// Disk, when set, moves the root's writable layer from RAM onto a
+	// disk, so that files written anywhere on the root file system but
+	// in its RAM-backed mounts (/tmp, /run, /dev/shm) go to the disk.
+	// The agent answers once they do. Agents without FeatureDisk ignore
+	// it.
+	Disk *Disk `json:"disk,omitempty"`
+}
+
+// Disk is a guest's writable disk: the virtio disk whose serial number is
+// Serial, of MiB MiB, holding an ext4 file system. A guest whose root is
+// on that disk already (a child of a branch of a sandbox with a disk:
+// its memory says so, and its disk holds the same files) keeps it; one
+// whose root is on another disk refuses.
+type Disk struct {
+	Serial string `json:"serial"`
+	MiB    int    `json:"mib"`
 }
 
 // ExecRequest starts a process. Exactly one of Args and Shell is set; Shell

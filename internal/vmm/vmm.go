@@ -13,6 +13,7 @@ package vmm
 
 import (
 	"context"
+	"errors"
 	"net"
 	"os"
 	"time"
@@ -246,6 +247,12 @@ type DiskSnapshotter interface {
 	ResizeDisk(ctx context.Context, index int, bytes int64) error
 }
 
+// ErrDiskSwitch is in the chain of an error of SnapshotDisk, or of a
+// SaveLive given Disks, after which a disk may have been switched to its
+// new overlay, or was although the call failed later: which image the
+// machine writes to is unknown. Without it, a failed call switched none.
+var ErrDiskSwitch = errors.New("the disk may have been switched to its new overlay")
+
 // DiskSnapshot names a disk and the overlay that becomes its top.
 type DiskSnapshot struct {
 	Index   int
@@ -289,6 +296,11 @@ type Disk struct {
 	// image's backing files are opened by the paths its header names,
 	// when the VMM starts.
 	Format string `json:"format,omitempty"`
+	// SharedBacking: the qcow2 image's backing files are opened without
+	// taking QEMU's image locks, as others use them too: they are never
+	// written, but the machine whose disk one was (SnapshotDisk) may still
+	// hold it open for writing. Only for an image with a backing file.
+	SharedBacking bool `json:"shared_backing,omitempty"`
 	// Serial is the serial number the guest reads from the device
 	// (virtio-blk: /sys/block/vdX/serial, at most 20 bytes). It is part of
 	// the machine's identity: given at Boot, it is kept in the machine's

@@ -157,6 +157,11 @@ func (c machineConfig) instanceArgs(in instance) argv {
 			format = vmm.FormatRaw
 		}
 		opt := fmt.Sprintf("file=%s,if=none,id=disk%d,format=%s", escapeOpt(d.Path), i, format)
+		if d.SharedBacking {
+			// Inherited down the chain. A layer that another machine's
+			// disk was holds that machine's write lock.
+			opt += ",backing.force-share=on"
+		}
 		if d.ReadOnly {
 			opt += ",readonly=on"
 		} else {
@@ -183,6 +188,9 @@ func checkDisks(disks []vmm.Disk) error {
 		case "", vmm.FormatRaw, vmm.FormatQCOW2:
 		default:
 			return errdefs.InvalidArgument("disk %d: format %q: want raw or qcow2", i, d.Format)
+		}
+		if d.SharedBacking && d.Format != vmm.FormatQCOW2 {
+			return errdefs.InvalidArgument("disk %d: a shared backing needs a qcow2 image", i)
 		}
 		if !serialRE.MatchString(d.Serial) {
 			return errdefs.InvalidArgument("disk %d: serial %q: want at most 20 of [A-Za-z0-9._-]", i, d.Serial)

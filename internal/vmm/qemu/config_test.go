@@ -122,18 +122,18 @@ func TestDiskArgs(t *testing.T) {
 	}
 	args := strings.Join(c.instanceArgs(instance{name: "sb-x", disks: []vmm.Disk{
 		{Path: "/img/root.ext4", ReadOnly: true},
-		{Path: "/run/sb-x/scratch.qcow2", Format: vmm.FormatQCOW2},
+		{Path: "/run/sb-x/scratch.qcow2", Format: vmm.FormatQCOW2, SharedBacking: true},
 	}}), " ")
 	for _, want := range []string{
 		"file=/img/root.ext4,if=none,id=disk0,format=raw,readonly=on ",
 		// A writable drive is never reopened by path: QEMU is chrooted.
-		"file=/run/sb-x/scratch.qcow2,if=none,id=disk1,format=qcow2,auto-read-only=off ",
+		"file=/run/sb-x/scratch.qcow2,if=none,id=disk1,format=qcow2,backing.force-share=on,auto-read-only=off ",
 	} {
 		if !strings.Contains(args+" ", want) {
 			t.Errorf("instance args lack %q:\n%s", want, args)
 		}
 	}
-	for _, d := range []vmm.Disk{{Format: "vmdk"}, {Serial: "a,b"}, {Serial: strings.Repeat("s", 21)}} {
+	for _, d := range []vmm.Disk{{Format: "vmdk"}, {Serial: "a,b"}, {Serial: strings.Repeat("s", 21)}, {SharedBacking: true}} {
 		if err := checkDisks([]vmm.Disk{d}); err == nil {
 			t.Errorf("checkDisks(%+v) accepted", d)
 		}

@@ -10,6 +10,7 @@ import (
 	"strconv"
 
 	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/vmm"
 )
 
 // SnapshotDisk implements vmm.DiskSnapshotter: the overlay goes to QEMU as
@@ -57,18 +58,29 @@ func (m *Machine) snapshotDisk(ctx context.Context, q *qmp, index int, overlay s
 		"file":    map[string]any{"driver": "file", "filename": "/dev/fdset/" + strconv.Itoa(added.FDSet)},
 		"backing": nil, // blockdev-snapshot attaches the current top
 	}, nil, -1)
+	switched := false
 	if err == nil {
 		err = q.execute(ctx, "blockdev-snapshot", map[string]any{"node": driveID(index), "overlay": node}, nil, -1)
-		if err != nil {
+		var re *replyError
+		switch {
+		case err == nil:
+			switched = true
+		case errors.As(err, &re):
+			// Refused: a transaction, nothing changed.
 			cctx, cancel := cleanupContext(ctx)
 			err = errors.Join(err, q.execute(cctx, "blockdev-del", map[string]any{"node-name": node}, nil, -1))
 			cancel()
+		default:
+			// No answer: it may have been done.
+			err = fmt.Errorf("%w (%w)", err, vmm.ErrDiskSwitch)
 		}
 	}
-	// The node keeps a duplicate of the fd; the set itself goes.
+	// The node keeps a duplicate of the fd; the set itself goes. Once
+	// the disk is switched, a set left behind only keeps an fd open in
+	// QEMU: not worth failing a done switch for.
 	cctx, cancel := cleanupContext(ctx)
 	defer cancel()
-	if rerr := q.execute(cctx, "remove-fd", map[string]any{"fdset-id": added.FDSet}, nil, -1); rerr != nil {
+	if rerr := q.execute(cctx, "remove-fd", map[string]any{"fdset-id": added.FDSet}, nil, -1); rerr != nil && !switched {
 		err = errors.Join(err, rerr)
 	}
 	if err != nil {

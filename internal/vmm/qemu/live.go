@@ -271,28 +271,37 @@ func (ls *liveSave) run(ctx context.Context, spec vmm.LiveSaveSpec) (vmm.LiveSta
 	}
 	// The disks as they are now go with the state: from here on the
 	// guest writes to new overlays. Completion left their nodes inactive
-	// (flushed); cont activates them and the new ones.
+	// (flushed); cont activates them and the new ones. Past the first
+	// switch, a failure leaves the disks unknown to the caller.
+	switched := false
+	fail := func(err error) (vmm.LiveStats, error) {
+		if switched && !errors.Is(err, vmm.ErrDiskSwitch) {
+			err = fmt.Errorf("%w (%w)", err, vmm.ErrDiskSwitch)
+		}
+		return vmm.LiveStats{}, err
+	}
 	for _, d := range spec.Disks {
 		if err := ls.m.snapshotDisk(ctx, ls.q, d.Index, d.Overlay); err != nil {
-			return vmm.LiveStats{}, err
+			return fail(err)
 		}
+		switched = true
 	}
 	if err := resume(ctx, ls.q); err != nil {
-		return vmm.LiveStats{}, err
+		return fail(err)
 	}
 	paused := time.Since(completed)
 	// QEMU reports completion before it works out the times; they are
 	// there once the run state is postmigrate, which resume waited for.
 	var st liveStatus
 	if err := ls.q.execute(ctx, "query-migrate", nil, &st, -1); err != nil {
-		return vmm.LiveStats{}, err
+		return fail(err)
 	}
 	r, err := ls.result(ctx, 30*time.Second)
 	if err != nil {
-		return vmm.LiveStats{}, err
+		return fail(err)
 	}
 	if err := fsutil.WriteFile(spec.StateFile, r.state, 0o600); err != nil {
-		return vmm.LiveStats{}, err
+		return fail(err)
 	}
 	return vmm.LiveStats{
 		Downtime:    time.Duration(st.DowntimeMS)*time.Millisecond + paused,

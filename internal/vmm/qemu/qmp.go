@@ -178,7 +178,7 @@ func (q *qmp) execute(ctx context.Context, cmd string, args, out any, fd int) er
 			continue
 		}
 		if rep.Error != nil {
-			return fmt.Errorf("qmp %s: %s: %s", cmd, rep.Error.Class, rep.Error.Desc)
+			return &replyError{cmd: cmd, class: rep.Error.Class, desc: rep.Error.Desc}
 		}
 		if out != nil && rep.Return != nil {
 			if err := json.Unmarshal(rep.Return, out); err != nil {
@@ -188,6 +188,12 @@ func (q *qmp) execute(ctx context.Context, cmd string, args, out any, fd int) er
 		return nil
 	}
 }
+
+// replyError is QEMU's answer that a command failed (as opposed to a
+// command whose answer never came).
+type replyError struct{ cmd, class, desc string }
+
+func (e *replyError) Error() string { return fmt.Sprintf("qmp %s: %s: %s", e.cmd, e.class, e.desc) }
 
 func (q *qmp) ioErr(ctx context.Context, cmd string, err error) error {
 	if ctx.Err() != nil {

@@ -95,7 +95,12 @@ type Metadata struct {
 	StateBytes  int64 `json:"state_bytes,omitempty"`
 	// Network: the machine has a NIC (configured as netns.GuestAddr), so
 	// every child gets its own network namespace.
-	Network     bool      `json:"network,omitempty"`
+	Network bool `json:"network,omitempty"`
+	// DiskSlot: the machine has a disk after its root file system whose
+	// image each child chooses: a writable disk of its own, or a
+	// placeholder. Snapshots made by an older forkd, or of an image
+	// without a root file system, have none, and their children no disk.
+	DiskSlot    bool      `json:"disk_slot,omitempty"`
 	Python      string    `json:"python,omitempty"`
 	Preload     []string  `json:"preload,omitempty"`
 	Warmup      []string  `json:"warmup,omitempty"`
@@ -165,11 +170,15 @@ type BranchInfo struct {
 	DirtyBytes int64   `json:"dirty_bytes"`
 	// TotalMS is the whole branch, materialisation included.
 	TotalMS float64 `json:"total_ms"`
-	// Disk is the branch's writable disk layer (a qcow2 file in the
-	// snapshot directory, "" when the source had none) and DiskMiB its
-	// size.
+	// Disk is the branch's writable disk layer, the source's disk as it
+	// was at the branch (a layer id of package disk: a qcow2 file of the
+	// data dir's disk store, "" when the source had no disk), and DiskMiB
+	// its size. Every child of the branch gets a disk over it.
 	Disk    string `json:"disk,omitempty"`
 	DiskMiB int    `json:"disk_mib,omitempty"`
+	// DiskSwitchMS is the part of PauseMS the switch of the source's
+	// disk to a new overlay took (paused modes only).
+	DiskSwitchMS float64 `json:"disk_switch_ms,omitempty"`
 }
 
 // Snapshot is a snapshot found in the store.
@@ -186,6 +195,15 @@ func (s *Snapshot) StatePath() string { return filepath.Join(s.Dir, StateFile) }
 
 // LayerPath is a branch's layer file.
 func (s *Snapshot) LayerPath() string { return filepath.Join(s.Dir, LayerFile) }
+
+// DiskLayer returns the disk layer every child of the snapshot gets and
+// its size ("", 0 when it has none).
+func (s *Snapshot) DiskLayer() (string, int) {
+	if s.Branch == nil || s.Branch.Disk == "" {
+		return "", 0
+	}
+	return s.Branch.Disk, s.Branch.DiskMiB
+}
 
 // LockPath is the snapshot's reference lock file.
 func (s *Snapshot) LockPath() string { return filepath.Join(s.Dir, LockFile) }

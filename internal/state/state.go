@@ -57,6 +57,8 @@ type Sandbox struct {
 	Net *Network `json:"net,omitempty"`
 	// Limits are the sandbox's resource limits, when it has a cgroup.
 	Limits *Limits `json:"limits,omitempty"`
+	// Disk is the sandbox's writable disk, when it has one.
+	Disk *Disk `json:"disk,omitempty"`
 	// Starter is the forkd process making this record (while it is
 	// starting, building or parked): such a record belongs to that process
 	// while it lives, and is abandoned once it has gone.
@@ -89,6 +91,16 @@ type Port struct {
 	Proto     string `json:"proto"`
 	GuestPort int    `json:"guest_port"`
 	HostPort  int    `json:"host_port"`
+}
+
+// Disk is a sandbox's writable disk: a qcow2 image in its run dir that
+// its VMM writes to (the top of a chain of disk layers).
+type Disk struct {
+	MiB int `json:"mib"`
+	// Image is the image the VMM writes to now; "" when a branch failed
+	// in a way that leaves it unknown (the sandbox runs on, and cannot be
+	// branched again).
+	Image string `json:"image,omitempty"`
 }
 
 // Limits are the resource limits of a sandbox's cgroup.

@@ -12,6 +12,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/forkd/forkd/internal/disk"
 	"github.com/forkd/forkd/internal/errdefs"
 	"github.com/forkd/forkd/internal/memimage"
 	"github.com/forkd/forkd/internal/snapshot"
@@ -141,12 +142,29 @@ func (e *Engine) Branch(ctx context.Context, spec BranchSpec) (*snapshot.Snapsho
 		return nil, err
 	}
 	md := branchMetadata(src, sb, spec, depth)
+	if sb.Disk != nil {
+		if sb.Disk.Image == "" {
+			return nil, errdefs.FailedPrecondition("sandbox %s: the state of its disk is unknown since a branch of it failed; it cannot be branched again", sb.ID)
+		}
+		// Named in the staging metadata before it exists, so that GC
+		// keeps it from the start.
+		md.Branch.Disk, md.Branch.DiskMiB = disk.NewID(), sb.Disk.MiB
+	}
 	w, err := e.snaps.CreateBranch(spec.Tag, md)
 	if err != nil {
 		return nil, err
 	}
 	defer func() { _ = w.Abort() }() // no-op after Commit; the branch failed otherwise
-	got, err := e.capture(ctx, m, src, spec.Mode, w)
+	var db *diskBranch
+	if sb.Disk != nil {
+		if db, err = e.prepareDiskBranch(ctx, sb, md.Branch.Disk); err != nil {
+			return nil, fmt.Errorf("branch %s of %s: %w", spec.Tag, spec.ID, err)
+		}
+	}
+	got, err := e.capture(ctx, m, src, spec.Mode, w, db)
+	if db != nil {
+		err = e.settleDisk(sb.ID, db, got.switched, err)
+	}
 	if err != nil {
 		return nil, fmt.Errorf("branch %s of %s: %w", spec.Tag, spec.ID, err)
 	}
@@ -164,13 +182,15 @@ func (e *Engine) Branch(ctx context.Context, spec BranchSpec) (*snapshot.Snapsho
 		}
 	}
 	md.Branch.PauseMS, md.Branch.DirtyBytes = got.pauseMS, got.dirty
+	md.Branch.DiskSwitchMS = got.diskMS
 	md.Branch.TotalMS = msSince(start)
 	snap, err := w.Commit(md)
 	if err != nil {
 		return nil, err
 	}
 	e.log.Info("sandbox branched", "sandbox", spec.ID, "snapshot", spec.Tag, "mode", spec.Mode,
-		"pause_ms", got.pauseMS, "dirty_mib", got.dirty>>20, "total_ms", md.Branch.TotalMS)
+		"pause_ms", got.pauseMS, "dirty_mib", got.dirty>>20, "disk_layer", md.Branch.Disk,
+		"disk_switch_ms", got.diskMS, "total_ms", md.Branch.TotalMS)
 	return snap, nil
 }
 
@@ -197,12 +217,27 @@ func branchMetadata(src *snapshot.Snapshot, sb *state.Sandbox, spec BranchSpec, 
 type captured struct {
 	pauseMS float64
 	dirty   int64
+	// diskMS is the part of the pause the disk switch took (paused
+	// modes; a live save's switch is inside its downtime).
+	diskMS float64
+	// switched: the source's disk was switched to the new overlay, even
+	// if the capture failed afterwards.
+	switched bool
 }
 
 // capture writes the source's device state to w's state file and the
-// pages that differ from src's memory to w's layer file (holes elsewhere).
-// Whatever happens, the source is running when it returns.
-func (e *Engine) capture(ctx context.Context, m vmm.Machine, src *snapshot.Snapshot, mode string, w *snapshot.Writer) (captured, error) {
+// pages that differ from src's memory to w's layer file (holes elsewhere),
+// and, with db, switches the source's disk to db's overlay at the same
+// pause (see settleDisk for the outcome). Whatever happens, the source is
+// running when it returns.
+func (e *Engine) capture(ctx context.Context, m vmm.Machine, src *snapshot.Snapshot, mode string, w *snapshot.Writer, db *diskBranch) (captured, error) {
+	var ds vmm.DiskSnapshotter
+	if db != nil {
+		var ok bool
+		if ds, ok = m.(vmm.DiskSnapshotter); !ok {
+			return captured{}, errdefs.NotImplemented("backend %s cannot branch a sandbox's disk", e.cfg.Backend.Name())
+		}
+	}
 	layer, err := os.OpenFile(w.LayerPath(), os.O_CREATE|os.O_RDWR|os.O_TRUNC, 0o600)
 	if err != nil {
 		return captured{}, err
@@ -212,7 +247,7 @@ func (e *Engine) capture(ctx context.Context, m vmm.Machine, src *snapshot.Snaps
 		return captured{}, err
 	}
 	if mode == BranchLive {
-		return captureLive(ctx, m, src, w, layer)
+		return captureLive(ctx, m, src, w, layer, db)
 	}
 	saver, ok := m.(vmm.DeviceSaver)
 	if !ok {
@@ -243,19 +278,47 @@ func (e *Engine) capture(ctx context.Context, m vmm.Machine, src *snapshot.Snaps
 	if err == nil {
 		_, err = memimage.Copy(mm, pages, layer)
 	}
-	rerr := m.Resume(context.WithoutCancel(ctx))
-	pause := msSince(t0)
-	if err = errors.Join(err, rerr); err != nil {
-		return captured{}, err
+	var got captured
+	if err == nil && db != nil {
+		t := time.Now()
+		err = ds.SnapshotDisk(ctx, scratchIndex, db.overlay)
+		got.diskMS, got.switched = msSince(t), err == nil
 	}
-	return captured{pauseMS: pause, dirty: pages.Bytes()}, layer.Sync()
+	rerr := m.Resume(context.WithoutCancel(ctx))
+	got.pauseMS, got.dirty = msSince(t0), pages.Bytes()
+	if err = errors.Join(err, rerr); err != nil {
+		return got, err
+	}
+	return got, layer.Sync()
+}
+
+// settleDisk records the outcome of a branch's disk switch, given
+// whether the capture switched it and its error, and returns the error:
+// the source writes to the new overlay (its record says so; the old image
+// is only the layer now), or it still writes to its image (the layer and
+// the overlay go), or it is unknown which (both stay, and the sandbox is
+// not branched again).
+func (e *Engine) settleDisk(id string, db *diskBranch, switched bool, err error) error {
+	switch {
+	case switched:
+		if serr := db.switched(e, id); serr != nil {
+			return errors.Join(err, serr, db.unknown(e, id))
+		}
+		return err
+	case err == nil:
+		return errors.New("disk switch: the capture neither switched the disk nor failed")
+	case errors.Is(err, vmm.ErrDiskSwitch):
+		return errors.Join(err, db.unknown(e, id))
+	default:
+		return errors.Join(err, db.abort(e))
+	}
 }
 
 // captureLive is capture by the backend's live save: each page it sends
 // that differs from src's memory goes to the layer; one equal to it leaves
 // a hole (punched after the save when an earlier copy had been written:
 // the final pause waits for Page, which must stay fast).
-func captureLive(ctx context.Context, m vmm.Machine, src *snapshot.Snapshot, w *snapshot.Writer, layer *os.File) (captured, error) {
+func captureLive(ctx context.Context, m vmm.Machine, src *snapshot.Snapshot, w *snapshot.Writer, layer *os.File, db *diskBranch) (captured, error) {
 	saver, ok := m.(vmm.LiveSaver)
 	if !ok {
 		return captured{}, errdefs.NotImplemented("this backend cannot branch a running machine live")
@@ -278,8 +341,13 @@ func captureLive(ctx context.Context, m vmm.Machine, src *snapshot.Snapshot, w *
 	)
 	pages := make([]byte, size/pageSize)
 	zero := make([]byte, pageSize)
+	var disks []vmm.DiskSnapshot
+	if db != nil {
+		disks = []vmm.DiskSnapshot{{Index: scratchIndex, Overlay: db.overlay}}
+	}
 	stats, err := saver.SaveLive(ctx, vmm.LiveSaveSpec{
 		StateFile: w.StatePath(),
+		Disks:     disks,
 		Page: func(off uint64, data []byte) error {
 			i := off / pageSize
 			if off%pageSize != 0 || i >= uint64(len(pages)) {
@@ -302,10 +370,10 @@ func captureLive(ctx context.Context, m vmm.Machine, src *snapshot.Snapshot, w *
 	if err != nil {
 		return captured{}, err
 	}
-	var dirty int64
+	got := captured{pauseMS: float64(stats.Downtime.Microseconds()) / 1000, switched: db != nil}
 	for i := 0; i < len(pages); {
 		if pages[i] == written {
-			dirty += pageSize
+			got.dirty += pageSize
 		}
 		j := i
 		for j < len(pages) && pages[j] == stale {
@@ -313,14 +381,14 @@ func captureLive(ctx context.Context, m vmm.Machine, src *snapshot.Snapshot, w *
 		}
 		if j > i {
 			if err := unix.Fallocate(int(layer.Fd()), unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE, int64(i)*pageSize, int64(j-i)*pageSize); err != nil {
-				return captured{}, err
+				return got, err
 			}
 			i = j
 			continue
 		}
 		i++
 	}
-	return captured{pauseMS: float64(stats.Downtime.Microseconds()) / 1000, dirty: dirty}, layer.Sync()
+	return got, layer.Sync()
 }
 
 // pageSize is the guest page size.

@@ -154,6 +154,17 @@ func (e *Engine) CreateSnapshot(ctx context.Context, spec SnapshotSpec) (*snapsh
 			e.log.Warn("clean up after the parent", "snapshot", spec.Tag, "err", err)
 		}
 	}()
+	if img.Rootfs != "" {
+		// The disk slot (see disk.go): a root on a disk is an overlay
+		// over the root file system. Its image goes with the run dir,
+		// which the backend removes once the parent has run.
+		undo.Add(func() error { return os.RemoveAll(bootSpec.RunDir) })
+		scratch, err := parentDisk(bootSpec.RunDir)
+		if err != nil {
+			return nil, err
+		}
+		bootSpec.Disks = append(bootSpec.Disks, scratch)
+	}
 	var buildRec *state.Sandbox
 	if spec.Network {
 		// The parent holds a network slot like a child, recorded so that a
@@ -250,6 +261,7 @@ func (e *Engine) CreateSnapshot(ctx context.Context, spec SnapshotSpec) (*snapsh
 		Warmup:         spec.Warmup,
 		ContentHash:    hash,
 		Network:        spec.Network,
+		DiskSlot:       len(bootSpec.Disks) > scratchIndex,
 	}
 	if img.Rootfs != "" {
 		md.Rootfs = snapshot.FileRef{Path: img.Rootfs, SHA256: img.RootfsSHA256, ID: rootfsID}

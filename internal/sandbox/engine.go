@@ -24,6 +24,7 @@ import (
 
 	"github.com/forkd/forkd/internal/agent"
 	"github.com/forkd/forkd/internal/cgroup"
+	"github.com/forkd/forkd/internal/disk"
 	"github.com/forkd/forkd/internal/errdefs"
 	"github.com/forkd/forkd/internal/hub"
 	"github.com/forkd/forkd/internal/image"
@@ -85,6 +86,9 @@ type Config struct {
 	// OnEvent, if set, receives events outside requests (a sandbox found
 	// unresponsive, and so on); it must not block.
 	OnEvent func(Event)
+	// QemuImg is the qemu-img binary sandboxes' disks are made with (""
+	// finds it in PATH).
+	QemuImg string
 	// Progress receives human progress lines; may be nil.
 	Progress io.Writer
 	Logger   *slog.Logger
@@ -98,6 +102,7 @@ type Engine struct {
 	cfg    Config
 	log    *slog.Logger
 	snaps  *snapshot.Store
+	disks  *disk.Store
 	state  *state.Store
 	images *image.Builder
 	runDir string
@@ -225,6 +230,15 @@ func New(cfg Config) (*Engine, error) {
 	if err := os.MkdirAll(cfg.DataDir, 0o700); err != nil {
 		return nil, fmt.Errorf("data dir: %w", err)
 	}
+	// Disk layers name each other by absolute paths.
+	abs, err := filepath.Abs(cfg.DataDir)
+	if err != nil {
+		return nil, fmt.Errorf("data dir: %w", err)
+	}
+	cfg.DataDir = abs
+	if cfg.CacheDir, err = filepath.Abs(cfg.CacheDir); err != nil {
+		return nil, fmt.Errorf("cache dir: %w", err)
+	}
 	snaps, err := snapshot.Open(filepath.Join(cfg.DataDir, "snapshots"))
 	if err != nil {
 		return nil, err
@@ -233,6 +247,11 @@ func New(cfg Config) (*Engine, error) {
 	if err != nil {
 		return nil, err
 	}
+	disks, err := disk.Open(filepath.Join(cfg.DataDir, "disks"))
+	if err != nil {
+		return nil, err
+	}
+	disks.QemuImg = cfg.QemuImg
 	runDir := filepath.Join(cfg.DataDir, "run")
 	if err := os.MkdirAll(runDir, 0o700); err != nil {
 		return nil, err
@@ -241,6 +260,7 @@ func New(cfg Config) (*Engine, error) {
 		cfg:      cfg,
 		log:      cfg.Logger,
 		snaps:    snaps,
+		disks:    disks,
 		state:    st,
 		runDir:   runDir,
 		restores: make(chan struct{}, cfg.MaxParallel),

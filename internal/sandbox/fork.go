@@ -50,6 +50,12 @@ type ForkSpec struct {
 	// GuestPIDsLimit, when positive, caps the tasks inside each child's
 	// guest (proto.InitRequest.PIDsLimit); 0 is the agent's default.
 	GuestPIDsLimit int
+	// DiskMiB, when positive, gives each child a writable disk of that
+	// many MiB (disk.MinMiB to disk.MaxMiB) that takes the root file
+	// system's writes instead of guest RAM; the snapshot needs a disk
+	// slot. Children of a branch of a sandbox with a disk get that disk
+	// whatever DiskMiB says (0, or its size).
+	DiskMiB int
 
 	batch string // set by Fork: the open batch the children belong to
 }
@@ -101,6 +107,9 @@ func (e *Engine) Fork(ctx context.Context, spec ForkSpec) (*ForkResult, error) {
 		return nil, err
 	}
 	if err := e.Restorable(snap); err != nil {
+		return nil, err
+	}
+	if _, spec.DiskMiB, err = childDisk(snap, spec.DiskMiB); err != nil {
 		return nil, err
 	}
 	if !snap.Network && spec.Net != nil {
@@ -203,6 +212,11 @@ func (e *Engine) Restorable(snap *snapshot.Snapshot) error {
 	if snap.Network && e.cfg.Net == nil {
 		return errdefs.FailedPrecondition("snapshot %q has a NIC: its children need per-child network namespaces, which need root", snap.Tag)
 	}
+	if layer, _ := snap.DiskLayer(); layer != "" {
+		if _, err := os.Stat(e.disks.Path(layer)); err != nil {
+			return errdefs.FailedPrecondition("snapshot %q: its disk layer %s: %w", snap.Tag, layer, err)
+		}
+	}
 	return nil
 }
 
@@ -227,6 +241,9 @@ func (e *Engine) forkOne(ctx context.Context, snap *snapshot.Snapshot, spec Fork
 	if spec.Limits != nil {
 		l := *spec.Limits
 		sb.Limits = &l
+	}
+	if spec.DiskMiB > 0 {
+		sb.Disk = &state.Disk{MiB: spec.DiskMiB, Image: filepath.Join(sb.Handle.RunDir, "disk.qcow2")}
 	}
 	// What the child holds, undone by fail last first: its record, what
 	// restoreFresh or restoreParked made for it (released), its VMM. The
@@ -269,6 +286,9 @@ func (e *Engine) forkOne(ctx context.Context, snap *snapshot.Snapshot, spec Fork
 	if err := e.stillStarting(id, func(r *state.Sandbox) { r.Handle = sb.Handle }); err != nil {
 		return fail(err)
 	}
+	if err := resizeDisk(rctx, m, sb); err != nil {
+		return fail(err)
+	}
 	client, err := DialAgent(rctx, m, e.agentOptions(id))
 	if err != nil {
 		return fail(err)
@@ -277,7 +297,12 @@ func (e *Engine) forkOne(ctx context.Context, snap *snapshot.Snapshot, spec Fork
 		client.Close()
 		return fail(errdefs.FailedPrecondition("guest pids limit: the agent of snapshot %s cannot apply it (made with an older agent; snapshot it again)", spec.Tag))
 	}
-	if err := client.Init(rctx, initRequest(id, spec.GuestPIDsLimit)); err != nil {
+	init := initRequest(id, spec.GuestPIDsLimit)
+	if init.Disk, err = diskRequest(client, sb, spec.Tag); err != nil {
+		client.Close()
+		return fail(err)
+	}
+	if err := client.Init(rctx, init); err != nil {
 		client.Close()
 		return fail(fmt.Errorf("init: %w", err))
 	}
@@ -374,6 +399,17 @@ func (e *Engine) prepareVMM(ctx context.Context, snap *snapshot.Snapshot, sb *st
 	}
 	if snap.Rootfs.Path != "" {
 		ps.Disks = []vmm.Disk{{Path: snap.Rootfs.Path, ReadOnly: true}}
+	}
+	if snap.DiskSlot {
+		// Made under the reference, which keeps the snapshot's disk
+		// layer; what is made goes with the run dir.
+		d, err := e.scratchDisk(ctx, cur, sb)
+		if err != nil {
+			ref.Close()
+			isolated()
+			return vmm.ParkSpec{}, nil, err
+		}
+		ps.Disks = append(ps.Disks, d)
 	}
 	return ps, func() { ref.Close(); isolated() }, nil
 }

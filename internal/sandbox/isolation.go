@@ -127,8 +127,9 @@ func (e *Engine) isolate(ctx context.Context, sb *state.Sandbox, ns *NetSpec) (l
 }
 
 // release removes what a sandbox holds on the host besides its VMM: its
-// cgroup, its network slot and its run dir. Idempotent; the VMM must be
-// gone (a namespace lives on while a process is inside).
+// cgroup, its network slot and its run dir (its disk with it, and the
+// disk layers nothing else uses). Idempotent; the VMM must be gone (a
+// namespace lives on while a process is inside).
 func (e *Engine) release(ctx context.Context, sb *state.Sandbox) error {
 	var errs []error
 	if sb.Limits != nil && e.cfg.Cgroups != nil {
@@ -147,7 +148,13 @@ func (e *Engine) release(ctx context.Context, sb *state.Sandbox) error {
 		return err
 	}
 	if sb.Handle.RunDir != "" {
-		return os.RemoveAll(sb.Handle.RunDir)
+		if err := os.RemoveAll(sb.Handle.RunDir); err != nil {
+			return err
+		}
+	}
+	if sb.Disk != nil {
+		// Its disk may have held the last use of some layers.
+		e.gcDisks()
 	}
 	return nil
 }

@@ -217,6 +217,7 @@ func (e *Engine) RemoveSnapshotWith(tag string, opts snapshot.RemoveOptions) ([]
 	removed, err := e.snaps.RemoveTree(tag, opts)
 	if len(removed) > 0 {
 		e.sweepContent() // what a pulled snapshot alone used
+		e.gcDisks()      // their disk layers may be used by nothing else
 	}
 	if errors.Is(err, snapshot.ErrInUse) {
 		for _, t := range tags {

@@ -60,11 +60,11 @@ func newPool(e *Engine, size int) *pool {
 }
 
 // take returns a parked VMM for a child of snap, or nil (always for a
-// child with limits, and for a nil pool). A VMM parked for an earlier
+// child with limits or a disk, and for a nil pool). A VMM parked for an earlier
 // snapshot of the same tag, or one that died while parked, is never
 // handed out (it is discarded, and the child restores from scratch).
 func (p *pool) take(snap *snapshot.Snapshot, spec ForkSpec) *parkedVMM {
-	if p == nil || spec.Limits != nil {
+	if p == nil || spec.Limits != nil || spec.DiskMiB > 0 {
 		return nil
 	}
 	p.mu.Lock()
@@ -133,7 +133,9 @@ func (e *Engine) restoreParked(ctx context.Context, snap *snapshot.Snapshot, spe
 // It makes tag the most recent and drops the pools of older tags beyond
 // maxPoolTags.
 func (p *pool) refill(snap *snapshot.Snapshot) {
-	if p == nil {
+	if layer, _ := snap.DiskLayer(); p == nil || layer != "" {
+		// Every child of a snapshot with a disk layer has a disk of its
+		// own, made when it forks.
 		return
 	}
 	p.mu.Lock()

@@ -42,8 +42,8 @@ type ReconcileReport struct {
 // the ones whose VMM is gone and reclaims their run dirs, aborts children
 // whose restore was cut short, kills VMM processes and removes run dirs of
 // this data dir that no record owns, and reclaims abandoned snapshot and
-// image-cache staging. It needs the state store to itself (Config.Daemon), so that no
-// other forkd process is mid-fork.
+// image-cache staging and unused disk layers. It needs the state store to
+// itself (Config.Daemon), so that no other forkd process is mid-fork.
 func (e *Engine) Reconcile(ctx context.Context) (*ReconcileReport, error) {
 	if !e.cfg.Daemon {
 		return nil, errdefs.FailedPrecondition("reconcile needs the daemon's exclusive hold on the state store")
@@ -204,6 +204,9 @@ func (e *Engine) Reconcile(ctx context.Context) (*ReconcileReport, error) {
 	if err := e.hub.Prune(hub.StaleBlobAge); err != nil {
 		errs = append(errs, fmt.Errorf("prune the pull cache: %w", err))
 	}
+	// Disk layers a crash left unused (a branch that never committed, a
+	// sandbox released while no forkd ran).
+	e.gcDisks()
 	return rep, errors.Join(errs...)
 }
 

@@ -35,6 +35,7 @@ type workspaceOptions struct {
 	Limits         *state.Limits     `json:"limits,omitempty"`
 	OnUnresponsive string            `json:"on_unresponsive,omitempty"`
 	GuestPIDsLimit int               `json:"guest_pids_limit,omitempty"`
+	DiskMiB        int               `json:"disk_mib,omitempty"`
 }
 
 // CreateWorkspace makes workspace name: a sandbox forked from spec.Tag
@@ -45,7 +46,7 @@ func (e *Engine) CreateWorkspace(ctx context.Context, name string, spec ForkSpec
 		return nil, err
 	}
 	opts := workspaceOptions{Metadata: spec.Metadata, Net: spec.Net, Limits: spec.Limits,
-		OnUnresponsive: spec.OnUnresponsive, GuestPIDsLimit: spec.GuestPIDsLimit}
+		OnUnresponsive: spec.OnUnresponsive, GuestPIDsLimit: spec.GuestPIDsLimit, DiskMiB: spec.DiskMiB}
 	raw, err := json.Marshal(opts)
 	if err != nil {
 		return nil, err
@@ -78,8 +79,10 @@ func (e *Engine) workspaceFork(ctx context.Context, w *state.Workspace, tag stri
 		md[k] = v
 	}
 	md[WorkspaceMeta] = w.Name
+	// A state of a workspace with a disk carries it: its size is the
+	// workspace's.
 	res, err := e.Fork(ctx, ForkSpec{Tag: tag, N: 1, Metadata: md, Net: opts.Net, Limits: opts.Limits,
-		OnUnresponsive: opts.OnUnresponsive, GuestPIDsLimit: opts.GuestPIDsLimit})
+		OnUnresponsive: opts.OnUnresponsive, GuestPIDsLimit: opts.GuestPIDsLimit, DiskMiB: opts.DiskMiB})
 	if err != nil {
 		return "", err
 	}

@@ -114,6 +114,11 @@ type Snapshot struct {
 	// Origin is where a snapshot pulled from a registry (or unpacked from
 	// a layout file) came from; absent for one made here.
 	Origin *SnapshotOrigin `json:"origin,omitempty"`
+	// DiskSlot: its children can have a writable disk (disk_mib).
+	// DiskMiB: it is a branch of a sandbox with a disk of that size,
+	// which every child of it gets.
+	DiskSlot bool `json:"disk_slot,omitempty"`
+	DiskMiB  int  `json:"disk_mib,omitempty"`
 }
 
 // SnapshotOrigin is where a snapshot made elsewhere came from.
@@ -281,6 +286,11 @@ type CreateSandboxesRequest struct {
 	// KeepPartial keeps the children that came up when others failed and
 	// reports each failure in Failed.
 	KeepPartial bool `json:"keep_partial,omitempty"`
+	// DiskMiB gives each sandbox a writable disk of that many MiB that
+	// takes the writes to its root file system (/root, /usr, ...) instead
+	// of its RAM; /tmp, /run and /dev/shm stay in RAM. A branch carries
+	// the disk, copy-on-write, to its children.
+	DiskMiB int `json:"disk_mib,omitempty" doc:"a writable disk per sandbox, in MiB: 0 (none: root file system writes live in guest RAM) or 64 to 1048576; needs a snapshot made by a forkd with disk support from an image with a root file system. Children of a branch of a sandbox with a disk get that disk (0 or its size)"`
 	// OnUnresponsive is what happens to a sandbox whose agent stops
 	// answering (a liveness ping unanswered while calls wait): "keep"
 	// marks it "unresponsive" and keeps it for inspection (it turns
@@ -345,6 +355,8 @@ type Sandbox struct {
 	// OnUnresponsive is the sandbox's own unresponsive policy ("" follows
 	// the daemon's).
 	OnUnresponsive string `json:"on_unresponsive,omitempty"`
+	// DiskMiB is the size of the sandbox's writable disk (0: none).
+	DiskMiB int `json:"disk_mib,omitempty"`
 }
 
 // SandboxList answers GET /v1/sandboxes. Query parameters filter it:
@@ -543,6 +555,9 @@ type ForkRequest struct {
 	Network        *NetworkSpec `json:"network,omitempty"`
 	KeepPartial    bool         `json:"keep_partial,omitempty"`
 	OnUnresponsive string       `json:"on_unresponsive,omitempty"`
+	// DiskMiB is as in CreateSandboxesRequest: the children of a sandbox
+	// with a disk get its disk, so it is 0 or that size for them.
+	DiskMiB int `json:"disk_mib,omitempty"`
 }
 
 // SnapshotInfo answers GET /v1/snapshots/{tag}/info: the snapshot, its
@@ -565,6 +580,9 @@ type SnapshotInfo struct {
 	PauseMS    float64 `json:"pause_ms,omitempty"`
 	DirtyBytes int64   `json:"dirty_bytes,omitempty"`
 	TotalMS    float64 `json:"total_ms,omitempty"`
+	// DiskSwitchMS is the part of the pause the switch of the source's
+	// disk took (paused modes of a sandbox with a disk).
+	DiskSwitchMS float64 `json:"disk_switch_ms,omitempty"`
 }
 
 // CompactRequest is the body of POST /v1/snapshots/{tag}/compact: make

@@ -33,6 +33,7 @@ func (b *batchFlags) register(cmd *cobra.Command, one, many string) {
 	f.Bool("per-child-netns", false, "accepted for scripts written for the original forkd: every child already has its own network namespace")
 	_ = f.MarkHidden("per-child-netns") // just added
 	f.StringArrayVar(&b.meta, "metadata", nil, "KEY=VALUE recorded with each "+one+" (repeatable)")
+	f.IntVar(&b.req.DiskMiB, "disk-mib", 0, "a writable disk of this many MiB per "+one+" (64 to 1048576): files written to the root file system go there instead of guest RAM (not /tmp); branches carry it, copy-on-write")
 	f.StringVar(&b.req.OnUnresponsive, "on-unresponsive", "", "when the "+one+"'s agent stops answering: keep (marked unresponsive) or kill (default: the daemon's --unresponsive, else keep)")
 }
 
@@ -87,7 +88,8 @@ func (b *batchFlags) forkRequest(mode string) (apiv1.ForkRequest, error) {
 	}
 	req = b.req
 	fr := apiv1.ForkRequest{Count: req.N, Mode: mode, TimeoutSecs: req.TimeoutSecs, Metadata: req.Metadata,
-		Limits: req.Limits, Network: req.Network, KeepPartial: req.KeepPartial, OnUnresponsive: req.OnUnresponsive}
+		Limits: req.Limits, Network: req.Network, KeepPartial: req.KeepPartial, OnUnresponsive: req.OnUnresponsive,
+		DiskMiB: req.DiskMiB}
 	if _, _, err := request.ForkFrom(&fr, sandbox.DefaultMaxChildren); err != nil {
 		return fr, err
 	}

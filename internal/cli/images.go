@@ -35,7 +35,9 @@ type snapshotView struct {
 	Depth       int       `json:"depth,omitempty"`
 	Ephemeral   bool      `json:"ephemeral,omitempty"` // goes with its last child (fork --from)
 	// Origin is where a pulled (or unpacked) snapshot came from.
-	Origin *apiv1.SnapshotOrigin `json:"origin,omitempty"`
+	Origin   *apiv1.SnapshotOrigin `json:"origin,omitempty"`
+	DiskSlot bool                  `json:"disk_slot,omitempty"` // children can have a disk (--disk-mib)
+	DiskMiB  int                   `json:"disk_mib,omitempty"`  // a branch's disk, which every child gets
 }
 
 func newImagesCmd(g *globals) *cobra.Command {
@@ -127,6 +129,7 @@ func apiSnapshotView(s apiv1.Snapshot) snapshotView {
 		MemoryMiB: s.MemoryMiB, VCPUs: s.VCPUs, SizeBytes: s.SizeBytes, Refcount: s.Refcount,
 		Created: s.Created, Parent: s.Parent, Network: s.Network, Error: s.Error, Problem: s.Problem,
 		Kind: s.Kind, Mode: s.Mode, Depth: s.Depth, Ephemeral: s.Ephemeral, Origin: s.Origin,
+		DiskSlot: s.DiskSlot, DiskMiB: s.DiskMiB,
 	}
 }
 

@@ -22,6 +22,7 @@ type sandboxView struct {
 	Metadata map[string]string     `json:"metadata,omitempty"`
 	Network  *apiv1.SandboxNetwork `json:"network,omitempty"`
 	apiv1.Limits
+	DiskMiB int `json:"disk_mib,omitempty"`
 }
 
 // viewSandbox is the ls form of a sandbox as the API shows it.
@@ -29,7 +30,7 @@ func viewSandbox(sb apiv1.Sandbox) sandboxView {
 	return sandboxView{
 		ID: sb.ID, Snapshot: sb.SnapshotTag, Status: sb.Status, PID: sb.PID,
 		Created: sb.Created, ReadyMS: sb.ReadyMS, Metadata: sb.Metadata, Network: sb.Network,
-		Limits: sb.Limits,
+		Limits: sb.Limits, DiskMiB: sb.DiskMiB,
 	}
 }
 

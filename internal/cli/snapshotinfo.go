@@ -39,6 +39,9 @@ func newSnapshotInfoCmd(g *globals) *cobra.Command {
 				fmt.Fprintf(w, "branch:     %s of %s, depth %d, paused %.1f ms, %s written, %.0f ms in all\n",
 					in.Mode, in.Source, in.Depth, in.PauseMS, mib(in.DirtyBytes), in.TotalMS)
 			}
+			if in.DiskMiB > 0 {
+				fmt.Fprintf(w, "disk:       %d MiB, every child's (switched in %.1f ms of the pause)\n", in.DiskMiB, in.DiskSwitchMS)
+			}
 			fmt.Fprintf(w, "parent:     %s\n", dash(in.Parent))
 			fmt.Fprintf(w, "ancestors:  %s\n", dash(strings.Join(in.Ancestors, " <- ")))
 			if in.ChainError != "" {

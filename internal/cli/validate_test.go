@@ -81,6 +81,8 @@ func TestLimitFlagsRefused(t *testing.T) {
 			{[]string{"--guest-pids-limit", "-1"}, "guest_pids_limit = -1"},
 			{[]string{"--guest-pids-limit", "8"}, "guest_pids_limit = 8: want 0 (the guest's default) or 16 to 4194304"},
 			{[]string{"--guest-pids-limit", "4194305"}, "guest_pids_limit"},
+			{[]string{"--disk-mib", "10"}, "disk_mib = 10: want 0 (no disk) or 64 to 1048576"},
+			{[]string{"--disk-mib", "-64"}, "disk_mib = -64"},
 		} {
 			cases = append(cases, badArgs{append(append([]string(nil), cmd...), c.args...), c.want})
 		}

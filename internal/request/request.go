@@ -16,6 +16,7 @@ import (
 	apiv1 "github.com/forkd/forkd/api/v1"
 	"github.com/forkd/forkd/internal/agent"
 	"github.com/forkd/forkd/internal/agent/proto"
+	"github.com/forkd/forkd/internal/disk"
 	"github.com/forkd/forkd/internal/errdefs"
 	"github.com/forkd/forkd/internal/image"
 	"github.com/forkd/forkd/internal/netns"
@@ -98,6 +99,9 @@ func ForkSpec(req *apiv1.CreateSandboxesRequest, maxN int) (sandbox.ForkSpec, er
 	if req.IOReadBps < 0 || req.IOWriteBps < 0 || req.IOReadBps > MaxIOBps || req.IOWriteBps > MaxIOBps {
 		return spec, errdefs.InvalidArgument("io_read_bps and io_write_bps: want 0 (no limit) or 1 to %d bytes per second", int64(MaxIOBps))
 	}
+	if err := disk.ValidateMiB("disk_mib", req.DiskMiB); err != nil {
+		return spec, err
+	}
 	pol, err := NetworkPolicy(req.Network)
 	if err != nil {
 		return spec, err
@@ -113,6 +117,7 @@ func ForkSpec(req *apiv1.CreateSandboxesRequest, maxN int) (sandbox.ForkSpec, er
 		Tag: req.SnapshotTag, N: n, Metadata: md, KeepPartial: req.KeepPartial, OnUnresponsive: req.OnUnresponsive,
 		Timeout:        time.Duration(req.TimeoutSecs) * time.Second,
 		GuestPIDsLimit: req.GuestPIDsLimit,
+		DiskMiB:        req.DiskMiB,
 	}
 	if req.Network != nil {
 		spec.Net = &sandbox.NetSpec{Policy: pol, Publish: req.Network.Publish}
@@ -178,6 +183,9 @@ func View(sb *state.Sandbox) apiv1.Sandbox {
 		Created: sb.Created, ReadyMS: sb.ReadyMS, ExpiresAt: sb.ExpiresAt, Metadata: sb.Metadata,
 		OnUnresponsive: sb.OnUnresponsive,
 	}
+	if sb.Disk != nil {
+		v.DiskMiB = sb.Disk.MiB
+	}
 	if l := sb.Limits; l != nil {
 		v.MemoryLimitMiB, v.CPUs, v.PIDsLimit = int(l.MemoryMiB), l.CPUs, int(l.PIDs)
 		v.IOWeight, v.IOReadBps, v.IOWriteBps = int(l.IOWeight), int64(l.IOReadBps), int64(l.IOWriteBps)
@@ -237,6 +245,8 @@ func ViewSnapshot(sn *snapshot.Snapshot, refs int, problem error) apiv1.Snapshot
 	if o := sn.Origin; o != nil {
 		v.Origin = &apiv1.SnapshotOrigin{Ref: o.Ref, Digest: o.Digest, Pulled: o.Pulled}
 	}
+	v.DiskSlot = sn.DiskSlot
+	_, v.DiskMiB = sn.DiskLayer()
 	return v
 }
 
@@ -363,6 +373,7 @@ func ForkFrom(req *apiv1.ForkRequest, maxN int) (string, sandbox.ForkSpec, error
 	spec, err := ForkSpec(&apiv1.CreateSandboxesRequest{
 		SnapshotTag: "from-sandbox", N: req.Count, TimeoutSecs: req.TimeoutSecs, Metadata: req.Metadata,
 		Limits: req.Limits, Network: req.Network, KeepPartial: req.KeepPartial, OnUnresponsive: req.OnUnresponsive,
+		DiskMiB: req.DiskMiB,
 	}, maxN)
 	spec.Tag = ""
 	return req.Mode, spec, err
@@ -393,6 +404,7 @@ func ViewInfo(in *snapshot.Info, refs int, problem error) apiv1.SnapshotInfo {
 	}
 	if b := in.Snapshot.Branch; b != nil {
 		v.PauseMS, v.DirtyBytes, v.TotalMS = b.PauseMS, b.DirtyBytes, b.TotalMS
+		v.DiskSwitchMS = b.DiskSwitchMS
 	}
 	return v
 }

@@ -58,11 +58,29 @@ func TestForkLimitsChecked(t *testing.T) {
 			t.Errorf("cpus %g: %v", cpus, err)
 		}
 	}
+	for _, mib := range []int{-1, 1, 63, 1<<20 + 1} {
+		_, err := request.ForkSpec(&apiv1.CreateSandboxesRequest{SnapshotTag: "base", DiskMiB: mib}, 10)
+		if !errdefs.IsInvalidArgument(err) || !strings.Contains(err.Error(), fmt.Sprintf("disk_mib = %d: want 0 (no disk) or 64 to 1048576", mib)) {
+			t.Errorf("disk_mib %d: %v", mib, err)
+		}
+		if _, _, err := request.ForkFrom(&apiv1.ForkRequest{DiskMiB: mib}, 10); !errdefs.IsInvalidArgument(err) {
+			t.Errorf("fork from with disk_mib %d: %v", mib, err)
+		}
+	}
+	for _, mib := range []int{0, 64, 1 << 20} {
+		if spec, err := request.ForkSpec(&apiv1.CreateSandboxesRequest{SnapshotTag: "base", DiskMiB: mib}, 10); err != nil || spec.DiskMiB != mib {
+			t.Errorf("disk_mib %d: %v, %d", mib, err, spec.DiskMiB)
+		}
+	}
 	// Over the API, before anything is made.
 	d := startDaemon(t, fakeNoVMs{}, sandbox.Admission{}, nil)
-	for _, body := range []string{`{"snapshot_tag":"base","cpus":0.001}`, `{"snapshot_tag":"base","cpus":1e300}`} {
+	for body, want := range map[string]string{
+		`{"snapshot_tag":"base","cpus":0.001}`:  "cpus",
+		`{"snapshot_tag":"base","cpus":1e300}`:  "cpus",
+		`{"snapshot_tag":"base","disk_mib":32}`: "disk_mib",
+	} {
 		code, b := d.call(t, "POST", "/v1/sandboxes", testToken, strings.NewReader(body))
-		if e := apiError(t, b); code != 400 || !strings.Contains(e.Message, "cpus") {
+		if e := apiError(t, b); code != 400 || !strings.Contains(e.Message, want) {
 			t.Errorf("%s: %d %s", body, code, b)
 		}
 	}

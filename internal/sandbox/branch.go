@@ -143,7 +143,8 @@ func (e *Engine) Branch(ctx context.Context, spec BranchSpec) (*snapshot.Snapsho
 	}
 	md := branchMetadata(src, sb, spec, depth)
 	if sb.Disk != nil {
-		if sb.Disk.Image == "" {
+		if sb.Disk.Image == "" || sb.Disk.Next != "" {
+			// Next left set: a branch switching it was cut short.
 			return nil, errdefs.FailedPrecondition("sandbox %s: the state of its disk is unknown since a branch of it failed; it cannot be branched again", sb.ID)
 		}
 		// Named in the staging metadata before it exists, so that GC
@@ -310,7 +311,7 @@ func (e *Engine) settleDisk(id string, db *diskBranch, switched bool, err error)
 	case errors.Is(err, vmm.ErrDiskSwitch):
 		return errors.Join(err, db.unknown(e, id))
 	default:
-		return errors.Join(err, db.abort(e))
+		return errors.Join(err, db.notSwitched(e, id))
 	}
 }
 

@@ -160,7 +160,23 @@ func (e *Engine) prepareDiskBranch(ctx context.Context, sb *state.Sandbox, layer
 	if err := e.disks.Overlay(ctx, db.overlay, e.disks.Path(layer), "qcow2", int64(db.mib)<<20); err != nil {
 		return nil, errors.Join(err, e.disks.Remove(layer))
 	}
+	// Recorded before the switch: a crash past this point leaves the
+	// image the VMM writes to unknown, and the record says so.
+	if err := db.record(e, sb.ID, db.oldTop, db.overlay); err != nil {
+		return nil, errors.Join(err, db.abort(e))
+	}
 	return db, nil
+}
+
+// record sets the source's disk image and next image in its record.
+func (db *diskBranch) record(e *Engine, id, image, next string) error {
+	_, err := e.state.Update(id, func(r *state.Sandbox) error {
+		if r.Disk != nil {
+			r.Disk.Image, r.Disk.Next = image, next
+		}
+		return nil
+	})
+	return err
 }
 
 // abort undoes prepareDiskBranch when the switch was not made.
@@ -168,15 +184,20 @@ func (db *diskBranch) abort(e *Engine) error {
 	return errors.Join(os.Remove(db.overlay), e.disks.Remove(db.layer))
 }
 
+// notSwitched records that the source still writes to its image, and
+// undoes prepareDiskBranch. Should the record fail, its next image stays
+// set (the disk counts as unknown) and so do the files.
+func (db *diskBranch) notSwitched(e *Engine, id string) error {
+	if err := db.record(e, id, db.oldTop, ""); err != nil {
+		return err
+	}
+	return db.abort(e)
+}
+
 // switched records that the source now writes to the new overlay: its
 // record names it, and the old image keeps only its name as a layer.
 func (db *diskBranch) switched(e *Engine, id string) error {
-	if _, err := e.state.Update(id, func(r *state.Sandbox) error {
-		if r.Disk != nil {
-			r.Disk.Image = db.overlay
-		}
-		return nil
-	}); err != nil {
+	if err := db.record(e, id, db.overlay, ""); err != nil {
 		return err
 	}
 	return os.Remove(db.oldTop)
@@ -185,13 +206,7 @@ func (db *diskBranch) switched(e *Engine, id string) error {
 // unknown records that a failed switch left the source's image unknown:
 // its files stay (its run dir goes with it), and it is not branched again.
 func (db *diskBranch) unknown(e *Engine, id string) error {
-	_, err := e.state.Update(id, func(r *state.Sandbox) error {
-		if r.Disk != nil {
-			r.Disk.Image = ""
-		}
-		return nil
-	})
-	return err
+	return db.record(e, id, "", "")
 }
 
 // gcDisks removes the disk layers nothing uses any more: no snapshot

@@ -101,6 +101,9 @@ type Disk struct {
 	// in a way that leaves it unknown (the sandbox runs on, and cannot be
 	// branched again).
 	Image string `json:"image,omitempty"`
+	// Next is the image a branch in progress switches the VMM to. Left
+	// set by a crash, it makes Image unknown too.
+	Next string `json:"next,omitempty"`
 }
 
 // Limits are the resource limits of a sandbox's cgroup.

@@ -30,18 +30,28 @@ func ctxT(t *testing.T, d time.Duration) context.Context {
 // exit code.
 func run(t *testing.T, e *sandbox.Engine, id, cmd string) (string, int) {
 	t.Helper()
+	var out bytes.Buffer
+	var code int
+	withAgent(t, e, id, func(ctx context.Context, c *agent.Client) {
+		res, err := c.Exec(ctx, agent.ExecRequest{Shell: cmd, Stdout: &out, Stderr: &out})
+		if err != nil {
+			t.Fatalf("exec in %s: %v", id, err)
+		}
+		code = res.ExitCode
+	})
+	return out.String(), code
+}
+
+// withAgent calls f with the agent of sandbox id, for a minute at most.
+func withAgent(t *testing.T, e *sandbox.Engine, id string, f func(context.Context, *agent.Client)) {
+	t.Helper()
 	ctx := ctxT(t, time.Minute)
 	c, release, err := e.Agent(ctx, id)
 	if err != nil {
 		t.Fatalf("agent of %s: %v", id, err)
 	}
 	defer release()
-	var out bytes.Buffer
-	res, err := c.Exec(ctx, agent.ExecRequest{Shell: cmd, Stdout: &out, Stderr: &out})
-	if err != nil {
-		t.Fatalf("exec in %s: %v", id, err)
-	}
-	return out.String(), res.ExitCode
+	f(ctx, c)
 }
 
 // TestForkTen is the core acceptance path: snapshot the minimal image, fork

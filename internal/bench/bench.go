@@ -88,6 +88,8 @@ type Result struct {
 
 	// With --branch: branching, measured in the same run.
 	*BranchResult
+	// With --disk: the writable disk against no disk.
+	*DiskResult
 
 	ProcessForkP50MS   float64 `json:"baseline_process_fork_p50_ms,omitempty"`
 	PythonStartP50MS   float64 `json:"baseline_python_c_p50_ms,omitempty"`

@@ -15,7 +15,8 @@ import (
 
 func newBenchCmd(g *globals) *cobra.Command {
 	var o bench.Options
-	var asJSON, withBranch, branchOnly bool
+	var asJSON, withBranch, branchOnly, withDisk, diskOnly bool
+	var diskImage string
 	cmd := &cobra.Command{
 		Use:   "bench [-n N] [--json]",
 		Short: "Measure cold boot vs fork, per-child memory and CPU, exec round trips",
@@ -49,7 +50,8 @@ func newBenchCmd(g *globals) *cobra.Command {
 				o.CLI = exe
 			}
 			r := &bench.Result{}
-			if !branchOnly {
+			only := branchOnly || diskOnly
+			if !only {
 				if r, err = bench.Run(cmd.Context(), e, o); err != nil {
 					return err
 				}
@@ -60,12 +62,19 @@ func newBenchCmd(g *globals) *cobra.Command {
 					return err
 				}
 				r.BranchResult = br
-				if branchOnly {
-					r.Machine, r.Image = bench.DescribeHost(), o.Image
-					be := e.Backend()
-					r.Machine.Backend, r.Machine.Accelerator = be.Name(), be.Capabilities().Accelerator
-					r.Machine.Version, _ = be.Version(cmd.Context())
+			}
+			if withDisk || diskOnly {
+				dr, err := bench.RunDisk(cmd.Context(), e, bench.DiskOptions{Image: diskImage, N: o.N, Progress: g.stderr})
+				if err != nil {
+					return err
 				}
+				r.DiskResult = dr
+			}
+			if only {
+				r.Machine, r.Image = bench.DescribeHost(), o.Image
+				be := e.Backend()
+				r.Machine.Backend, r.Machine.Accelerator = be.Name(), be.Capabilities().Accelerator
+				r.Machine.Version, _ = be.Version(cmd.Context())
 			}
 			if asJSON {
 				return writeJSON(g.stdout, r)
@@ -84,14 +93,18 @@ func newBenchCmd(g *globals) *cobra.Command {
 	f.BoolVar(&asJSON, "json", false, "print one JSON object")
 	f.BoolVar(&withBranch, "branch", false, "also measure branching: pause and total per mode, 256 MiB vs 1 GiB, a fork from a chain vs a flat snapshot")
 	f.BoolVar(&branchOnly, "branch-only", false, "measure branching only")
+	f.BoolVar(&withDisk, "disk", false, "also measure the writable disk: a fork of n with and without --disk-mib, a branch with a 64 MiB dirty disk vs none")
+	f.BoolVar(&diskOnly, "disk-only", false, "measure the writable disk only (with --branch-only: both)")
+	f.StringVar(&diskImage, "disk-image", "python", "image the disk is measured on (one with a root file system)")
 	return cmd
 }
 
 func printBench(g *globals, r *bench.Result) {
 	m := r.Machine
-	if r.N == 0 { // --branch-only
+	if r.N == 0 { // --branch-only, --disk-only
 		fmt.Fprintf(g.stdout, "machine: %s, %d cores, %d MiB, %s, kernel %s\n", m.CPUModel, m.Cores, m.MemoryMiB, m.OS, m.Kernel)
 		printBranch(g, r)
+		printDisk(g, r)
 		return
 	}
 	fmt.Fprintf(g.stdout, "machine: %s, %d cores, %d MiB, %s, kernel %s\n", m.CPUModel, m.Cores, m.MemoryMiB, m.OS, m.Kernel)
@@ -140,6 +153,7 @@ func printBench(g *globals, r *bench.Result) {
 			r.N, r.N, r.RatioColdNOverFork, r.RatioColdOverReady)
 	}
 	printBranch(g, r)
+	printDisk(g, r)
 }
 
 // printBranch prints what --branch measured, if anything.
@@ -159,4 +173,18 @@ func printBranch(g *globals, r *bench.Result) {
 	fmt.Fprintf(g.stdout, "  diff pause 256 MiB / 1 GiB guest: %.1f / %.1f ms (%.2f×)\n", b.Pause256MiB.P50, b.Pause1GiB.P50, b.RatioPause1GiBOver256)
 	fmt.Fprintf(g.stdout, "  fork of 10: flat %.0f ms, from a depth-%d chain %.0f ms (%.2f×); ready p50 %.0f / %.0f ms (%.2f×)\n",
 		b.FlatFork10MS, b.ChainDepth, b.Chain5Fork10MS, b.RatioChainOverFlat, b.FlatReady.P50, b.BranchReady.P50, b.RatioBranchReadyOverFlat)
+}
+
+func printDisk(g *globals, r *bench.Result) {
+	d := r.DiskResult
+	if d == nil {
+		return
+	}
+	fmt.Fprintf(g.stdout, "\ndisk (%s, %d MiB disks):\n", d.Image, d.DiskMiB)
+	fmt.Fprintf(g.stdout, "  fork of %d: %.0f ms without a disk, %.0f ms with (%.2f×); ready p50 %.0f / %.0f ms\n",
+		d.N, d.ForkNWallMS, d.ForkNDiskWallMS, d.RatioForkNDisk, d.Ready.P50, d.ReadyDisk.P50)
+	fmt.Fprintf(g.stdout, "  diff branch: pause p50 %.1f ms without a disk, %.1f ms with %d MiB written to it (disk switch %.1f ms)\n",
+		d.Pause.P50, d.PauseDisk.P50, d.DirtyMiB, d.DiskSwitch.P50)
+	fmt.Fprintf(g.stdout, "  layers: memory %.1f MiB without a disk, %.1f MiB with; disk layer %.1f MiB; total %.0f / %.0f ms\n",
+		d.MemLayerMiB, d.MemLayerDisk, d.DiskLayerMiB, d.TotalMS, d.TotalDiskMS)
 }

@@ -83,6 +83,10 @@ func TestLimitFlagsRefused(t *testing.T) {
 			{[]string{"--guest-pids-limit", "4194305"}, "guest_pids_limit"},
 			{[]string{"--disk-mib", "10"}, "disk_mib = 10: want 0 (no disk) or 64 to 1048576"},
 			{[]string{"--disk-mib", "-64"}, "disk_mib = -64"},
+			{[]string{"--disk-mib", "1048577"}, "disk_mib = 1048577"},
+			{[]string{"--disk-mib", "99999999999999999999"}, "--disk-mib"},
+			{[]string{"--disk-mib", "64.5"}, "--disk-mib"},
+			{[]string{"--disk-mib", "lots"}, "--disk-mib"},
 		} {
 			cases = append(cases, badArgs{append(append([]string(nil), cmd...), c.args...), c.want})
 		}

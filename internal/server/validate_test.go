@@ -78,10 +78,25 @@ func TestForkLimitsChecked(t *testing.T) {
 		`{"snapshot_tag":"base","cpus":0.001}`:  "cpus",
 		`{"snapshot_tag":"base","cpus":1e300}`:  "cpus",
 		`{"snapshot_tag":"base","disk_mib":32}`: "disk_mib",
+		// Negative, huge, not an integer, not a number: each a 400
+		// naming the field.
+		`{"snapshot_tag":"base","disk_mib":-64}`:                  "disk_mib = -64",
+		`{"snapshot_tag":"base","disk_mib":1048577}`:              "disk_mib = 1048577",
+		`{"snapshot_tag":"base","disk_mib":99999999999999999999}`: "disk_mib",
+		`{"snapshot_tag":"base","disk_mib":1e30}`:                 "disk_mib",
+		`{"snapshot_tag":"base","disk_mib":64.5}`:                 "disk_mib",
+		`{"snapshot_tag":"base","disk_mib":"64"}`:                 "disk_mib",
 	} {
 		code, b := d.call(t, "POST", "/v1/sandboxes", testToken, strings.NewReader(body))
 		if e := apiError(t, b); code != 400 || !strings.Contains(e.Message, want) {
 			t.Errorf("%s: %d %s", body, code, b)
+		}
+		if fork, ok := strings.CutPrefix(body, `{"snapshot_tag":"base","disk_mib"`); ok {
+			fork = `{"disk_mib"` + fork
+			code, b := d.call(t, "POST", "/v1/sandboxes/sb-aaaaaaaaaa/fork", testToken, strings.NewReader(fork))
+			if e := apiError(t, b); code != 400 || !strings.Contains(e.Message, want) {
+				t.Errorf("fork %s: %d %s", fork, code, b)
+			}
 		}
 	}
 	if list, err := d.e.State().List(); err != nil || len(list) != 0 {

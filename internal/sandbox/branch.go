@@ -163,6 +163,9 @@ func (e *Engine) Branch(ctx context.Context, spec BranchSpec) (*snapshot.Snapsho
 		}
 	}
 	got, err := e.capture(ctx, m, src, spec.Mode, w, db)
+	if err == nil && got.switched {
+		err = e.fault("disk-switched")
+	}
 	if db != nil {
 		err = e.settleDisk(sb.ID, db, got.switched, err)
 	}

@@ -5,9 +5,12 @@ import (
 	"context"
 	"encoding/hex"
 	"os"
+	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -82,7 +85,7 @@ const (
 
 // TestDisk is the writable disk on the python image: a child forked with a
 // disk writes 200 MiB under /root without its VMM's memory growing by as
-// much; it is branched in each mode; five children of each branch see the
+// much; it is branched in each mode; two children of each branch see the
 // file as it was and diverge privately while the source deletes it; a
 // branch's children outlive the source; rmi --force of a parent keeps
 // what a dependent's disk needs; and once all is gone, so are the disk
@@ -153,7 +156,7 @@ func TestDisk(t *testing.T) {
 
 	for _, mode := range modes {
 		t.Run(mode, func(t *testing.T) {
-			res, err := e.Fork(ctx, sandbox.ForkSpec{Tag: "b-" + mode, N: 5})
+			res, err := e.Fork(ctx, sandbox.ForkSpec{Tag: "b-" + mode, N: 2})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -224,5 +227,95 @@ func TestDisk(t *testing.T) {
 	left, _ := filepath.Glob(filepath.Join(e.Config().DataDir, "disks", "*.qcow2"))
 	if len(left) > 0 {
 		t.Errorf("disk layers left once nothing uses them: %v", left)
+	}
+}
+
+// diskCrashEnv tells a re-executed test binary to be the forkd process
+// that dies branching a sandbox's disk: "<data dir>|<sandbox id>".
+const diskCrashEnv = "FORKD_TEST_DISK_CRASH"
+
+// TestDiskCrash SIGKILLs a real forkd process (this test binary,
+// re-executed) branching a sandbox with a disk, right after the switch
+// to the new overlay and before its outcome is recorded. The next
+// daemon's reconcile adopts the source, whose record still reads and
+// says its disk is unknown: the source keeps its file, a new branch of
+// it is refused, and once it is killed no disk layer or image is left.
+func TestDiskCrash(t *testing.T) {
+	if v := os.Getenv(diskCrashEnv); v != "" {
+		dir, id, _ := strings.Cut(v, "|")
+		cfg := testvm.Config(t, dir)
+		cfg.Fault = func(s string) error {
+			if s == "disk-switched" {
+				syscall.Kill(os.Getpid(), syscall.SIGKILL)
+				select {}
+			}
+			return nil
+		}
+		e, err := sandbox.New(cfg)
+		testutil.Check(t, err)
+		_, err = e.Branch(context.Background(), sandbox.BranchSpec{ID: id, Tag: "crashed"})
+		t.Fatalf("still alive after the branch: %v", err)
+	}
+	testutil.RequireCommand(t, "qemu-img")
+	dir := t.TempDir()
+	ctx := ctxT(t, 20*time.Minute)
+	cli := newEngine(t, dir, false)
+	defer cli.Close()
+	t.Cleanup(func() {
+		d := newEngine(t, dir, true)
+		defer d.Close()
+		cctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+		defer cancel()
+		d.Reconcile(cctx)
+		d.KillAll(cctx, "")
+	})
+	if _, err := cli.CreateSnapshot(ctx, sandbox.SnapshotSpec{Tag: "py", Image: "python"}); err != nil {
+		t.Fatal(err)
+	}
+	res, err := cli.Fork(ctx, sandbox.ForkSpec{Tag: "py", N: 1, DiskMiB: 64})
+	testutil.Check(t, err)
+	id := res.Children[0].ID
+	sh(t, cli, id, "echo kept > /root/own && sync")
+
+	cmd := exec.Command(os.Args[0], "-test.run=^"+t.Name()+"$", "-test.count=1", "-test.v")
+	cmd.Env = append(os.Environ(), diskCrashEnv+"="+dir+"|"+id)
+	var out strings.Builder
+	cmd.Stdout, cmd.Stderr = &out, &out
+	testutil.Check(t, cmd.Start())
+	t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+	cmd.Wait()
+	if ws, ok := cmd.ProcessState.Sys().(syscall.WaitStatus); !ok || !ws.Signaled() || ws.Signal() != syscall.SIGKILL {
+		t.Fatalf("the forkd process was not killed (%v):\n%s", cmd.ProcessState, out.String())
+	}
+
+	d := newEngine(t, dir, true)
+	defer d.Close()
+	rep, err := d.Reconcile(ctx)
+	testutil.Check(t, err)
+	if !slices.Contains(rep.Adopted, id) {
+		t.Fatalf("reconcile %+v: the source %s not adopted", rep, id)
+	}
+	sb, err := d.State().Get(id)
+	testutil.Check(t, err)
+	if sb.Disk == nil || sb.Disk.Next == "" {
+		t.Fatalf("the source's record after the crash: disk %+v, want its next image set", sb.Disk)
+	}
+	if _, err := d.Snapshots().Get("crashed"); err == nil {
+		t.Error("the cut-short branch is listed")
+	}
+	if got := sh(t, d, id, "cat /root/own && echo more >> /root/own && sync && cat /root/own"); got != "kept\nkept\nmore" {
+		t.Fatalf("the source's disk after the crash: %q", got)
+	}
+	if _, err := d.Branch(ctx, sandbox.BranchSpec{ID: id, Tag: "again"}); !errdefs.IsFailedPrecondition(err) {
+		t.Fatalf("branch of a source whose disk is unknown = %v, want FailedPrecondition", err)
+	}
+	testutil.Check(t, d.Kill(ctx, id))
+	if _, err := d.Reconcile(ctx); err != nil { // GC of the disk layers
+		t.Fatal(err)
+	}
+	for _, glob := range []string{"disks/*", "run/*/*.qcow2", "snapshots/.staging-*"} {
+		if left, _ := filepath.Glob(filepath.Join(dir, glob)); len(left) > 0 {
+			t.Errorf("left after the kill: %v", left)
+		}
 	}
 }

@@ -58,8 +58,10 @@ type Config struct {
 	// (forkd serve). Children with limits do not use them.
 	Pool int
 	// Fault, if set, is called at each step of a child's creation
-	// ("recorded", "isolated", "restored", "published"); an error it
-	// returns fails the child there. For tests of rollback.
+	// ("recorded", "isolated", "restored", "published") and once a
+	// branch has switched its source's disk ("disk-switched"); an error
+	// it returns fails the child or the branch there. For tests of
+	// rollback.
 	Fault func(step string) error
 	// MaxParallel bounds concurrent restores across all of the engine's
 	// forks (default 2 × CPU count).

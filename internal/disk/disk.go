@@ -239,13 +239,9 @@ func (s *Store) Overlay(ctx context.Context, path, backing, backingFormat string
 	if _, err := os.Lstat(path); err == nil {
 		return errdefs.AlreadyExists("overlay %s exists", path)
 	}
-	bin := s.QemuImg
-	if bin == "" {
-		bin = "qemu-img"
-	}
-	bin, err := exec.LookPath(bin)
+	bin, err := s.qemuImg()
 	if err != nil {
-		return errdefs.FailedPrecondition("qemu-img not found (install qemu-utils): %w", err)
+		return err
 	}
 	// -u: the backing file is not opened; its size does not matter.
 	cmd := exec.CommandContext(ctx, bin, "create", "-q", "-f", "qcow2", "-F", backingFormat, "-b", backing, "-u",
@@ -264,6 +260,43 @@ func (s *Store) Overlay(ctx context.Context, path, backing, backingFormat string
 		return fmt.Errorf("overlay %s: backing file %q, want %q (%v)", path, got, backing, err)
 	}
 	return nil
+}
+
+// Flatten makes layer id a copy of layer from that stands alone: one
+// qcow2 file with what from's chain reads, and no backing file. It is
+// written in dir (on the store's file system) and then added like Add;
+// the caller has recorded id first, and removes it on failure.
+func (s *Store) Flatten(ctx context.Context, id, from, dir string) error {
+	if err := ValidateID(from); err != nil {
+		return err
+	}
+	bin, err := s.qemuImg()
+	if err != nil {
+		return err
+	}
+	tmp := filepath.Join(dir, id+Ext)
+	defer os.Remove(tmp)
+	cmd := exec.CommandContext(ctx, bin, "convert", "-q", "-O", "qcow2", "-o", "compat=1.1", s.Path(from), tmp)
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return fmt.Errorf("qemu-img convert %s: %w: %s", from, err, strings.TrimSpace(string(out)))
+	}
+	if err := os.Chmod(tmp, 0o600); err != nil {
+		return err
+	}
+	return s.Add(id, tmp)
+}
+
+// qemuImg finds the qemu-img binary.
+func (s *Store) qemuImg() (string, error) {
+	bin := s.QemuImg
+	if bin == "" {
+		bin = "qemu-img"
+	}
+	bin, err := exec.LookPath(bin)
+	if err != nil {
+		return "", errdefs.FailedPrecondition("qemu-img not found (install qemu-utils): %w", err)
+	}
+	return bin, nil
 }
 
 // qcow2 header fields (all big-endian): magic at 0, version at 4,

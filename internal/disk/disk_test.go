@@ -263,3 +263,43 @@ func TestOverlay(t *testing.T) {
 		t.Errorf("Overlay on a relative backing = %v", err)
 	}
 }
+
+// TestFlatten: a chain of a raw base and two layers, each written in a
+// place of its own, flattens into one layer with no backing file that
+// reads the same, added to the store; the chain is left as it was.
+func TestFlatten(t *testing.T) {
+	testutil.RequireCommand(t, "qemu-img")
+	testutil.RequireCommand(t, "qemu-io")
+	s, err := Open(t.TempDir())
+	testutil.Check(t, err)
+	ctx := context.Background()
+	base := filepath.Join(t.TempDir(), "base.img")
+	testutil.WriteFile(t, base, []byte("base"), 0o600)
+	testutil.Check(t, os.Truncate(base, 64<<20))
+	write := func(path, at string) {
+		t.Helper()
+		if out, err := exec.Command("qemu-io", "-c", "write -P 0xab "+at+" 64k", path).CombinedOutput(); err != nil {
+			t.Fatalf("qemu-io %s: %v: %s", path, err, out)
+		}
+	}
+	lower, upper := NewID(), NewID()
+	testutil.Check(t, s.Overlay(ctx, s.Path(lower), base, "raw", 64<<20))
+	write(s.Path(lower), "1M")
+	testutil.Check(t, s.Overlay(ctx, s.Path(upper), s.Path(lower), "qcow2", 64<<20))
+	write(s.Path(upper), "2M")
+
+	flat := NewID()
+	testutil.Check(t, s.Flatten(ctx, flat, upper, t.TempDir()))
+	if got, err := BackingFile(s.Path(flat)); err != nil || got != "" {
+		t.Fatalf("flattened layer's backing file %q, %v", got, err)
+	}
+	if out, err := exec.Command("qemu-img", "compare", "-q", s.Path(upper), s.Path(flat)).CombinedOutput(); err != nil {
+		t.Fatalf("the flattened layer reads otherwise: %v: %s", err, out)
+	}
+	if got, err := BackingFile(s.Path(upper)); err != nil || got != s.Path(lower) {
+		t.Errorf("the chain changed: %q, %v", got, err)
+	}
+	if err := s.Flatten(ctx, NewID(), "../x", t.TempDir()); !errdefs.IsInvalidArgument(err) {
+		t.Errorf("Flatten of a bad id = %v", err)
+	}
+}

@@ -450,8 +450,9 @@ func (e *Engine) dropEphemeral(tag string) {
 }
 
 // Compact makes snapshot to, standing alone (no parent), from snapshot
-// from: the same machine, memory and state, so that its children and
-// branches need nothing of from's chain. from is left as it is.
+// from: the same machine, memory and state, and its disk (if any)
+// flattened into one layer of its own, so that its children and branches
+// need nothing of from's chain. from is left as it is.
 func (e *Engine) Compact(ctx context.Context, from, to string) (*snapshot.Snapshot, error) {
 	if err := snapshot.ValidateTag(from); err != nil {
 		return nil, err
@@ -468,9 +469,15 @@ func (e *Engine) Compact(ctx context.Context, from, to string) (*snapshot.Snapsh
 	md.Tag, md.Created = to, time.Time{}
 	md.MemoryBytes, md.StateBytes = 0, 0
 	md.Parent, md.ParentHash, md.Ephemeral = "", "", false
+	layer, _ := src.DiskLayer()
 	if md.Branch != nil {
 		b := *md.Branch
 		b.Mode, b.Depth = BranchFull, 0
+		if layer != "" {
+			// Named in the staging metadata before it exists, as in
+			// Branch.
+			b.Disk = disk.NewID()
+		}
 		md.Branch = &b
 	}
 	w, err := e.snaps.CreateBranch(to, md)
@@ -478,6 +485,12 @@ func (e *Engine) Compact(ctx context.Context, from, to string) (*snapshot.Snapsh
 		return nil, err
 	}
 	defer func() { _ = w.Abort() }()
+	if layer != "" {
+		// Its disk stands alone too: one layer, no backing chain.
+		if err := e.disks.Flatten(ctx, md.Branch.Disk, layer, w.Dir()); err != nil {
+			return nil, fmt.Errorf("compact %s: disk: %w", from, errors.Join(err, e.disks.Remove(md.Branch.Disk)))
+		}
+	}
 	if err := memimage.SparseCopy(src.MemoryPath(), w.MemoryPath()); err != nil {
 		return nil, fmt.Errorf("compact %s: memory: %w", from, err)
 	}

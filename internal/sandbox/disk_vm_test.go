@@ -16,6 +16,7 @@ import (
 
 	"github.com/forkd/forkd/internal/agent"
 	"github.com/forkd/forkd/internal/agent/proto"
+	"github.com/forkd/forkd/internal/disk"
 	"github.com/forkd/forkd/internal/errdefs"
 	"github.com/forkd/forkd/internal/memimage"
 	"github.com/forkd/forkd/internal/sandbox"
@@ -88,8 +89,9 @@ const (
 // much; it is branched in each mode; two children of each branch see the
 // file as it was and diverge privately while the source deletes it; a
 // branch's children outlive the source; rmi --force of a parent keeps
-// what a dependent's disk needs; and once all is gone, so are the disk
-// layers. The disk base and the layers never change once made.
+// what a dependent's disk needs; compaction flattens a chain's disk into
+// one layer; and once all is gone, so are the disk layers. The disk base
+// and the layers never change once made.
 func TestDisk(t *testing.T) {
 	testutil.RequireCommand(t, "qemu-img")
 	e := testvm.Engine(t)
@@ -208,6 +210,23 @@ func TestDisk(t *testing.T) {
 		t.Fatalf("child of b2 after rmi --force of its parent: %q", got)
 	}
 	testutil.Check(t, e.Kill(ctx, c2.Children[0].ID))
+	// Compacted, b2's disk stands alone: one layer, which reads the same.
+	bc, err := e.Compact(ctx, "b2", "b2c")
+	testutil.Check(t, err)
+	pc := filepath.Join(e.Config().DataDir, "disks", bc.Branch.Disk+".qcow2")
+	if bc.Branch.Disk == b2.Branch.Disk {
+		t.Fatalf("compact kept the layer %s", bc.Branch.Disk)
+	}
+	if back, err := disk.BackingFile(pc); err != nil || back != "" {
+		t.Fatalf("the compacted layer backs onto %q (%v)", back, err)
+	}
+	layers[pc] = dataHash(t, pc)
+	c3, err := e.Fork(ctx, sandbox.ForkSpec{Tag: "b2c", N: 1})
+	testutil.Check(t, err)
+	if got := sh(t, e, c3.Children[0].ID, "cat /root/own; "+sumBig); got != "chained\n"+sum {
+		t.Fatalf("child of the compacted b2: %q", got)
+	}
+	testutil.Check(t, e.Kill(ctx, c3.Children[0].ID))
 
 	for p, h := range layers {
 		if _, err := os.Stat(p); err != nil {
@@ -221,7 +240,7 @@ func TestDisk(t *testing.T) {
 	if dataHash(t, base) != baseSum {
 		t.Error("the disk base changed")
 	}
-	for _, tag := range []string{"b-full", "b-live", "b2"} {
+	for _, tag := range []string{"b-full", "b-live", "b2", "b2c"} {
 		testutil.Check(t, e.RemoveSnapshot(tag))
 	}
 	left, _ := filepath.Glob(filepath.Join(e.Config().DataDir, "disks", "*.qcow2"))

@@ -258,7 +258,8 @@ const diskCrashEnv = "FORKD_TEST_DISK_CRASH"
 // to the new overlay and before its outcome is recorded. The next
 // daemon's reconcile adopts the source, whose record still reads and
 // says its disk is unknown: the source keeps its file, a new branch of
-// it is refused, and once it is killed no disk layer or image is left.
+// it is refused, the cut-short branch is failed, and once both are gone
+// no disk layer or image is left.
 func TestDiskCrash(t *testing.T) {
 	if v := os.Getenv(diskCrashEnv); v != "" {
 		dir, id, _ := strings.Cut(v, "|")
@@ -319,8 +320,8 @@ func TestDiskCrash(t *testing.T) {
 	if sb.Disk == nil || sb.Disk.Next == "" {
 		t.Fatalf("the source's record after the crash: disk %+v, want its next image set", sb.Disk)
 	}
-	if _, err := d.Snapshots().Get("crashed"); err == nil {
-		t.Error("the cut-short branch is listed")
+	if sn, err := d.Snapshots().Get("crashed"); err != nil || sn.Status != snapshot.StatusFailed {
+		t.Errorf("the cut-short branch: %v, want it failed", err)
 	}
 	if got := sh(t, d, id, "cat /root/own && echo more >> /root/own && sync && cat /root/own"); got != "kept\nkept\nmore" {
 		t.Fatalf("the source's disk after the crash: %q", got)
@@ -328,11 +329,13 @@ func TestDiskCrash(t *testing.T) {
 	if _, err := d.Branch(ctx, sandbox.BranchSpec{ID: id, Tag: "again"}); !errdefs.IsFailedPrecondition(err) {
 		t.Fatalf("branch of a source whose disk is unknown = %v, want FailedPrecondition", err)
 	}
+	// The failed branch names its disk layer until it is removed.
 	testutil.Check(t, d.Kill(ctx, id))
-	if _, err := d.Reconcile(ctx); err != nil { // GC of the disk layers
+	testutil.Check(t, d.RemoveSnapshot("crashed"))
+	if _, err := d.Reconcile(ctx); err != nil {
 		t.Fatal(err)
 	}
-	for _, glob := range []string{"disks/*", "run/*/*.qcow2", "snapshots/.staging-*"} {
+	for _, glob := range []string{"disks/*.qcow2", "run/*", "snapshots/.staging-*", "snapshots/crashed"} {
 		if left, _ := filepath.Glob(filepath.Join(dir, glob)); len(left) > 0 {
 			t.Errorf("left after the kill: %v", left)
 		}

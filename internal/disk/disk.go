@@ -33,6 +33,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/fsutil"
 )
 
 // Sizes of a sandbox's disk, in MiB.
@@ -281,6 +282,10 @@ func (s *Store) Flatten(ctx context.Context, id, from, dir string) error {
 		return fmt.Errorf("qemu-img convert %s: %w: %s", from, err, strings.TrimSpace(string(out)))
 	}
 	if err := os.Chmod(tmp, 0o600); err != nil {
+		return err
+	}
+	// On disk before a snapshot that names it can be committed.
+	if err := fsutil.SyncFile(tmp); err != nil {
 		return err
 	}
 	return s.Add(id, tmp)

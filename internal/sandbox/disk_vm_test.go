@@ -86,7 +86,7 @@ const (
 
 // TestDisk is the writable disk on the python image: a child forked with a
 // disk writes 200 MiB under /root without its VMM's memory growing by as
-// much; it is branched in each mode; two children of each branch see the
+// much; it is branched in each mode; five children of each branch see the
 // file as it was and diverge privately while the source deletes it; a
 // branch's children outlive the source; rmi --force of a parent keeps
 // what a dependent's disk needs; compaction flattens a chain's disk into
@@ -158,7 +158,7 @@ func TestDisk(t *testing.T) {
 
 	for _, mode := range modes {
 		t.Run(mode, func(t *testing.T) {
-			res, err := e.Fork(ctx, sandbox.ForkSpec{Tag: "b-" + mode, N: 2})
+			res, err := e.Fork(ctx, sandbox.ForkSpec{Tag: "b-" + mode, N: 5})
 			if err != nil {
 				t.Fatal(err)
 			}

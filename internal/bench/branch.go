@@ -218,21 +218,10 @@ func (b *brancher) dirtyBranch(ctx context.Context, tag, mode string) (*snapshot
 		defer cancel()
 		_ = b.e.Kill(kctx, id) // measured already; a failure shows in cleanup
 	}()
-	c, release, err := b.e.Agent(ctx, id)
-	if err != nil {
-		return nil, err
-	}
 	// A byte count: busybox's head takes "m" as its MiB suffix, coreutils'
 	// "M"; both take a plain number.
-	cmd := fmt.Sprintf("head -c %d /dev/urandom > /tmp/dirty-%d", b.o.DirtyMiB<<20, b.n)
-	var stderr bytes.Buffer
-	r, err := c.Exec(ctx, agent.ExecRequest{Shell: cmd, Timeout: 5 * time.Minute, Stderr: &stderr})
-	release()
-	if err != nil {
+	if err := b.exec(ctx, id, fmt.Sprintf("head -c %d /dev/urandom > /tmp/dirty-%d", b.o.DirtyMiB<<20, b.n)); err != nil {
 		return nil, err
-	}
-	if r.ExitCode != 0 {
-		return nil, fmt.Errorf("%s: exit %d: %s", cmd, r.ExitCode, bytes.TrimSpace(stderr.Bytes()))
 	}
 	b.n++
 	sn, err := b.e.Branch(ctx, sandbox.BranchSpec{ID: id, Tag: fmt.Sprintf("%s-b%d", tag, b.n), Mode: mode})
@@ -241,6 +230,25 @@ func (b *brancher) dirtyBranch(ctx context.Context, tag, mode string) (*snapshot
 	}
 	b.tags = append(b.tags, sn.Tag)
 	return sn, nil
+}
+
+// exec runs cmd in sandbox id, failing on a non-zero exit with its
+// stderr.
+func (b *brancher) exec(ctx context.Context, id, cmd string) error {
+	c, release, err := b.e.Agent(ctx, id)
+	if err != nil {
+		return err
+	}
+	defer release()
+	var stderr bytes.Buffer
+	r, err := c.Exec(ctx, agent.ExecRequest{Shell: cmd, Timeout: 5 * time.Minute, Stderr: &stderr})
+	if err != nil {
+		return err
+	}
+	if r.ExitCode != 0 {
+		return fmt.Errorf("%s: exit %d: %s", cmd, r.ExitCode, bytes.TrimSpace(stderr.Bytes()))
+	}
+	return nil
 }
 
 func (b *brancher) remove(tag string) {

@@ -8,7 +8,6 @@ import (
 	"path/filepath"
 	"time"
 
-	"github.com/forkd/forkd/internal/agent"
 	"github.com/forkd/forkd/internal/memimage"
 	"github.com/forkd/forkd/internal/sandbox"
 )
@@ -164,19 +163,10 @@ func (b *brancher) diskBranch(ctx context.Context, tag string, mib, dirty int) (
 	// disk, the memory layer holds no copy of it.
 	cmd := fmt.Sprintf("dd if=/dev/urandom of=/root/dirty bs=1M count=%d iflag=fullblock oflag=direct status=none", dirty)
 	if mib == 0 {
-		cmd = fmt.Sprintf("head -c %dM /dev/urandom > /tmp/dirty", dirty)
+		cmd = fmt.Sprintf("head -c %d /dev/urandom > /tmp/dirty", dirty<<20)
 	}
-	c, release, err := b.e.Agent(ctx, id)
-	if err != nil {
+	if err := b.exec(ctx, id, cmd); err != nil {
 		return diskBranched{}, err
-	}
-	out, err := c.Exec(ctx, agent.ExecRequest{Shell: cmd, Timeout: 5 * time.Minute})
-	release()
-	if err != nil {
-		return diskBranched{}, err
-	}
-	if out.ExitCode != 0 {
-		return diskBranched{}, fmt.Errorf("%s: exit %d", cmd, out.ExitCode)
 	}
 	b.n++
 	sn, err := b.e.Branch(ctx, sandbox.BranchSpec{ID: id, Tag: fmt.Sprintf("%s-d%d", tag, b.n), Mode: sandbox.BranchDiff})

@@ -596,6 +596,12 @@ func (c *Client) cancel(cl *call) {
 // out. Data frames go to onData (dropped when nil); an error from onData
 // cancels the call and is returned.
 func (c *Client) wait(ctx context.Context, cl *call, onData func(proto.Frame) error, out any) error {
+	return c.waitEvents(ctx, cl, nil, onData, out)
+}
+
+// waitEvents is wait that also hands the call's events to onEvent (when
+// set); an error from onEvent cancels the call and is returned.
+func (c *Client) waitEvents(ctx context.Context, cl *call, onEvent func(proto.Event) error, onData func(proto.Frame) error, out any) error {
 	for {
 		f, err := cl.q.Pop(ctx)
 		if err != nil {
@@ -608,6 +614,17 @@ func (c *Client) wait(ctx context.Context, cl *call, onData func(proto.Frame) er
 		switch f.Type {
 		case proto.TypeEvent:
 			cl.events.Add(-int64(len(f.Payload)))
+			if onEvent != nil {
+				var ev proto.Event
+				if err := json.Unmarshal(f.Payload, &ev); err != nil {
+					c.cancel(cl)
+					return fmt.Errorf("agent %s: bad event: %w", cl.op, err)
+				}
+				if err := onEvent(ev); err != nil {
+					c.cancel(cl)
+					return err
+				}
+			}
 		case proto.TypeData:
 			if onData != nil {
 				if err := onData(f); err != nil {

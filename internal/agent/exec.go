@@ -39,6 +39,19 @@ type ExecRequest struct {
 	StdinOpen bool
 	// Tag labels a background process in Processes.
 	Tag string
+	// Attach, with Background, keeps the call until the process ends: its
+	// output streams to Stdout and Stderr (paced by how fast they take
+	// it) and Exec returns its result. Ending ctx detaches: the process
+	// runs on as a plain background process (proto.ExecRequest.Attach).
+	// The guest needs proto.FeatureAttach.
+	Attach bool
+	// OnStart, if set, is called with the pid once an attached process
+	// has started.
+	OnStart func(pid int)
+	// PTY, with Background, runs the process on a pseudo-terminal of this
+	// size: its output comes to Stdout, SendStdin feeds its input, and
+	// ResizeProcess resizes it. The guest needs proto.FeaturePTY.
+	PTY *proto.PTYSize
 }
 
 // Exec runs a process. A foreground call returns when the process has
@@ -49,15 +62,19 @@ type ExecRequest struct {
 // outlive the call as Background processes.
 func (c *Client) Exec(ctx context.Context, req ExecRequest) (*proto.ExecResult, error) {
 	var cancel context.CancelFunc
-	if req.Background {
+	switch {
+	case req.Background && req.Attach:
+		ctx, cancel = context.WithCancel(ctx) // as long as the caller stays
+	case req.Background:
 		ctx, cancel = withDeadline(ctx, DefaultCallTimeout) // until it started
-	} else {
+	default:
 		ctx, cancel = c.callDeadline(ctx, req.Timeout)
 	}
 	defer cancel()
 	wire := proto.ExecRequest{
 		Args: req.Args, Shell: req.Shell, Env: req.Env, Dir: req.Dir, User: req.User,
 		Stdin: req.Stdin != nil || (req.StdinOpen && req.Background), Timeout: req.Timeout, Background: req.Background, Tag: req.Tag,
+		Attach: req.Attach && req.Background, PTY: req.PTY,
 	}
 	cl, err := c.start(ctx, proto.OpExec, wire)
 	if err != nil {
@@ -76,12 +93,63 @@ func (c *Client) Exec(ctx context.Context, req ExecRequest) (*proto.ExecResult, 
 		}()
 	}
 	var res proto.ExecResult
-	err = c.wait(ctx, cl, streams(req.Stdout, req.Stderr), &res)
+	var onEvent func(proto.Event) error
+	if wire.Attach {
+		onEvent = func(ev proto.Event) error {
+			if ev.Kind == "started" {
+				if req.Stdin != nil {
+					go c.feedBackground(ev.PID, req.Stdin)
+				}
+				if req.OnStart != nil {
+					req.OnStart(ev.PID)
+				}
+			}
+			return nil
+		}
+	}
+	out := streams(req.Stdout, req.Stderr)
+	if wire.Attach {
+		// A writer that fails detaches rather than cancels: the
+		// process runs on.
+		out = func(f proto.Frame) error {
+			if err := streams(req.Stdout, req.Stderr)(f); err != nil {
+				return &detached{err}
+			}
+			return nil
+		}
+	}
+	err = c.waitEvents(ctx, cl, onEvent, out, &res)
 	if err != nil {
 		return nil, err
 	}
-	if req.Background && req.Stdin != nil {
+	if req.Background && !wire.Attach && req.Stdin != nil {
 		go c.feedBackground(res.PID, req.Stdin)
+	}
+	return &res, nil
+}
+
+// detached is the error of an attached exec whose output writer failed:
+// the call was cancelled and the process runs on.
+type detached struct{ err error }
+
+func (d *detached) Error() string { return "detached: " + d.err.Error() }
+func (d *detached) Unwrap() error { return d.err }
+
+// ResizeProcess resizes the terminal of a process started with a PTY.
+func (c *Client) ResizeProcess(ctx context.Context, pid int, size proto.PTYSize) error {
+	return c.do(ctx, proto.OpProcessResize, proto.ResizeRequest{PID: pid, PTYSize: size}, nil)
+}
+
+// FollowProcess is ConnectProcess without the recent output: only what the
+// process writes from now on, then its result. Needs proto.FeatureAttach.
+func (c *Client) FollowProcess(ctx context.Context, pid int, stdout, stderr io.Writer) (*proto.ExecResult, error) {
+	cl, err := c.start(ctx, proto.OpProcessConnect, proto.ProcessRef{PID: pid, Live: true})
+	if err != nil {
+		return nil, err
+	}
+	var res proto.ExecResult
+	if err := c.wait(ctx, cl, streams(stdout, stderr), &res); err != nil {
+		return nil, err
 	}
 	return &res, nil
 }

@@ -1,8 +1,11 @@
 package agent
 
 import (
+	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
 	"io/fs"
 
@@ -32,7 +35,13 @@ func (c *Client) ReadFile(ctx context.Context, path string, w io.Writer) (int64,
 // permission bits (with setuid, setgid, sticky) apply; 0 keeps an existing
 // file's mode or gives 0644. It returns the number of bytes sent.
 func (c *Client) WriteFile(ctx context.Context, path string, r io.Reader, mode fs.FileMode) (int64, error) {
-	cl, err := c.start(ctx, proto.OpFileWrite, proto.WriteRequest{Path: path, Mode: modeBits(mode)})
+	return c.WriteFileAs(ctx, path, r, mode, "")
+}
+
+// WriteFileAs is WriteFile whose new file, and the directories it makes,
+// belong to user (a name or uid in the guest; "" leaves them root's).
+func (c *Client) WriteFileAs(ctx context.Context, path string, r io.Reader, mode fs.FileMode, user string) (int64, error) {
+	cl, err := c.start(ctx, proto.OpFileWrite, proto.WriteRequest{Path: path, Mode: modeBits(mode), User: user})
 	if err != nil {
 		return 0, err
 	}
@@ -113,8 +122,18 @@ func (c *Client) ListDir(ctx context.Context, path string, depth int) ([]proto.F
 
 // Stat describes path without following a final symlink.
 func (c *Client) Stat(ctx context.Context, path string) (*proto.FileInfo, error) {
+	return c.stat(ctx, proto.PathRequest{Path: path})
+}
+
+// StatFollow describes path, following a final symlink: the result
+// describes the target, with Target its resolved path.
+func (c *Client) StatFollow(ctx context.Context, path string) (*proto.FileInfo, error) {
+	return c.stat(ctx, proto.PathRequest{Path: path, Follow: true})
+}
+
+func (c *Client) stat(ctx context.Context, req proto.PathRequest) (*proto.FileInfo, error) {
 	var res proto.FileInfo
-	if err := c.do(ctx, proto.OpFileStat, proto.PathRequest{Path: path}, &res); err != nil {
+	if err := c.do(ctx, proto.OpFileStat, req, &res); err != nil {
 		return nil, err
 	}
 	return &res, nil
@@ -124,11 +143,58 @@ func (c *Client) Stat(ctx context.Context, path string) (*proto.FileInfo, error)
 // directory already existed; a non-directory in the way is
 // errdefs.ErrAlreadyExists.
 func (c *Client) MakeDir(ctx context.Context, path string) (bool, error) {
+	return c.MakeDirAs(ctx, path, "")
+}
+
+// MakeDirAs is MakeDir whose new directories belong to user (a name or
+// uid in the guest; "" leaves them root's).
+func (c *Client) MakeDirAs(ctx context.Context, path, user string) (bool, error) {
 	var res proto.MkdirResult
-	if err := c.do(ctx, proto.OpFileMkdir, proto.PathRequest{Path: path}, &res); err != nil {
+	if err := c.do(ctx, proto.OpFileMkdir, proto.PathRequest{Path: path, User: user}, &res); err != nil {
 		return false, err
 	}
 	return res.Created, nil
+}
+
+// Watch watches the directory at path (and with recursive, those below
+// it) and hands each change to onEvent, in order, until ctx ends (nil is
+// returned then) or onEvent fails. onStarted, if set, is called once the
+// watch is in place, before any event. Needs proto.FeatureWatch.
+func (c *Client) Watch(ctx context.Context, path string, recursive bool, onStarted func(), onEvent func(proto.WatchEvent) error) error {
+	cl, err := c.start(ctx, proto.OpFileWatch, proto.WatchRequest{Path: path, Recursive: recursive})
+	if err != nil {
+		return err
+	}
+	var partial []byte
+	err = c.waitEvents(ctx, cl, func(ev proto.Event) error {
+		if ev.Kind == "started" && onStarted != nil {
+			onStarted()
+		}
+		return nil
+	}, func(f proto.Frame) error {
+		if f.Stream() != proto.StreamWatch {
+			return nil
+		}
+		partial = append(partial, f.Payload...)
+		for {
+			i := bytes.IndexByte(partial, '\n')
+			if i < 0 {
+				return nil
+			}
+			var ev proto.WatchEvent
+			if err := json.Unmarshal(partial[:i], &ev); err != nil {
+				return fmt.Errorf("agent %s: bad watch event: %w", proto.OpFileWatch, err)
+			}
+			partial = partial[i+1:]
+			if err := onEvent(ev); err != nil {
+				return err
+			}
+		}
+	}, nil)
+	if ctx.Err() == nil {
+		return err
+	}
+	return nil // the watch ends with ctx, as documented
 }
 
 // Remove removes path; a non-empty directory needs recursive

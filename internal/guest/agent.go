@@ -97,6 +97,8 @@ type Agent struct {
 	// served on (0: none), which the files API refuses to touch.
 	channel atomic.Uint64
 
+	ids idNames // owner and group names of files
+
 	idMu      sync.Mutex
 	sandboxID string // guarded by idMu
 	hostname  string // guarded by idMu
@@ -134,6 +136,7 @@ func New(cfg Config) *Agent {
 		sandboxID: cfg.SandboxID,
 		hostname:  cfg.Hostname,
 		cgroupFD:  -1,
+		ids:       idNames{root: cfg.Root},
 	}
 	if cfg.Cgroup != "" {
 		fd, err := syscall.Open(cfg.Cgroup, syscall.O_RDONLY|syscall.O_DIRECTORY|syscall.O_CLOEXEC, 0)
@@ -161,9 +164,10 @@ func (a *Agent) Close() error {
 
 // features lists what this agent offers.
 func (a *Agent) features() []string {
-	f := []string{proto.FeatureExec, proto.FeatureFiles, proto.FeatureProcesses, proto.FeatureDisk}
+	f := []string{proto.FeatureExec, proto.FeatureFiles, proto.FeatureProcesses, proto.FeatureDisk,
+		proto.FeaturePTY, proto.FeatureAttach, proto.FeatureWatch}
 	if a.py != nil {
-		f = append(f, proto.FeatureEval)
+		f = append(f, proto.FeatureEval, proto.FeatureRich)
 	}
 	if a.cgroupFD >= 0 {
 		f = append(f, proto.FeatureLimits)
@@ -590,6 +594,8 @@ var handlers = map[string]handler{
 	proto.OpProcessKill:    (*Agent).processKill,
 	proto.OpProcessConnect: (*Agent).processConnect,
 	proto.OpProcessStdin:   (*Agent).processStdin,
+	proto.OpProcessResize:  (*Agent).processResize,
+	proto.OpFileWatch:      (*Agent).fileWatch,
 	proto.OpFileRead:       (*Agent).fileRead,
 	proto.OpFileWrite:      (*Agent).fileWrite,
 	proto.OpFileList:       (*Agent).fileList,

@@ -180,7 +180,8 @@ func (a *Agent) sysProcAttr(cmd *command) *syscall.SysProcAttr {
 // stdio holds the agent's ends of a process's standard streams.
 type stdio struct {
 	stdin          *os.File // nil when the child has /dev/null
-	stdout, stderr *os.File
+	stdout, stderr *os.File // stderr is nil on a terminal
+	pty            *os.File // the terminal's master, when there is one
 }
 
 // startWithPipes starts cmd with pipes for stdout and stderr, and for stdin
@@ -305,8 +306,14 @@ func (a *Agent) exec(ctx context.Context, r *request, args json.RawMessage) (any
 	if err != nil {
 		return nil, err
 	}
+	if req.PTY != nil && !req.Background {
+		return nil, errdefs.InvalidArgument("exec: a terminal (pty) is for background processes only")
+	}
+	if req.Attach && !req.Background {
+		return nil, errdefs.InvalidArgument("exec: attach is for background processes only")
+	}
 	if req.Background {
-		return a.startBackground(cmd, &req)
+		return a.startBackground(ctx, r, cmd, &req)
 	}
 	start := time.Now()
 	pid, done, std, err := a.startWithPipes(cmd, req.Stdin)

@@ -147,7 +147,7 @@ func (a *Agent) fileRead(ctx context.Context, r *request, args json.RawMessage) 
 			return nil, pathError("read", p, rerr)
 		}
 	}
-	fi := fileInfo(p, st)
+	fi := a.info(p, st)
 	fi.Size = total
 	return &fi, nil
 }
@@ -175,6 +175,13 @@ func (a *Agent) fileWrite(ctx context.Context, r *request, args json.RawMessage)
 	}
 	mode := fs.FileMode(0o644)
 	uid, gid := -1, -1
+	var owner *account
+	if req.User != "" {
+		if owner, err = lookupUser(a.cfg.Root, req.User); err != nil {
+			return nil, err
+		}
+		uid, gid = int(owner.uid), int(owner.gid)
+	}
 	if st, err := os.Stat(p); err == nil {
 		if st.IsDir() {
 			return nil, errdefs.InvalidArgument("write %s: is a directory", p)
@@ -191,7 +198,7 @@ func (a *Agent) fileWrite(ctx context.Context, r *request, args json.RawMessage)
 		mode = modeFromBits(req.Mode)
 	}
 	dir := filepath.Dir(p)
-	if err := os.MkdirAll(dir, 0o755); err != nil {
+	if err := mkdirAllOwned(dir, owner); err != nil {
 		return nil, pathError("write", p, err)
 	}
 	tmp, err := os.CreateTemp(dir, "."+filepath.Base(p)+".forkd-*")
@@ -232,7 +239,7 @@ func (a *Agent) fileWrite(ctx context.Context, r *request, args json.RawMessage)
 	if err != nil {
 		return nil, pathError("write", p, err)
 	}
-	fi := fileInfo(p, st)
+	fi := a.info(p, st)
 	return &fi, nil
 }
 
@@ -295,7 +302,7 @@ func (a *Agent) writeInPlace(ctx context.Context, r *request, p string, st fs.Fi
 	if err := f.Close(); err != nil {
 		return nil, pathError("write", p, err)
 	}
-	fi := fileInfo(p, st)
+	fi := a.info(p, st)
 	fi.Size = total
 	return &fi, nil
 }
@@ -419,7 +426,7 @@ func (a *Agent) fileList(ctx context.Context, r *request, args json.RawMessage) 
 			if len(entries) >= maxListEntries {
 				return errdefs.ResourceExhausted("list %s: more than %d entries", p, maxListEntries)
 			}
-			fi := fileInfo(child, info)
+			fi := a.info(child, info)
 			b, err := json.Marshal(fi)
 			if err != nil {
 				return errdefs.InvalidArgument("list %s: encode %s: %w", p, child, err)
@@ -457,7 +464,19 @@ func (a *Agent) fileStat(ctx context.Context, r *request, args json.RawMessage) 
 	if err != nil {
 		return nil, pathError("stat", p, err)
 	}
-	fi := fileInfo(p, st)
+	if req.Follow && st.Mode()&fs.ModeSymlink != 0 {
+		target, err := filepath.EvalSymlinks(p)
+		if err != nil {
+			return nil, pathError("stat", p, err)
+		}
+		if st, err = os.Stat(target); err != nil {
+			return nil, pathError("stat", p, err)
+		}
+		fi := a.info(p, st)
+		fi.Name, fi.Target = filepath.Base(p), target
+		return &fi, nil
+	}
+	fi := a.info(p, st)
 	return &fi, nil
 }
 
@@ -476,7 +495,13 @@ func (a *Agent) fileMkdir(ctx context.Context, r *request, args json.RawMessage)
 		}
 		return nil, errdefs.AlreadyExists("mkdir %s: exists and is not a directory", p)
 	}
-	if err := os.MkdirAll(p, 0o755); err != nil {
+	var owner *account
+	if req.User != "" {
+		if owner, err = lookupUser(a.cfg.Root, req.User); err != nil {
+			return nil, err
+		}
+	}
+	if err := mkdirAllOwned(p, owner); err != nil {
 		return nil, pathError("mkdir", p, err)
 	}
 	return &proto.MkdirResult{Created: true}, nil
@@ -528,4 +553,29 @@ func (a *Agent) fileRename(ctx context.Context, r *request, args json.RawMessage
 		return nil, pathError("rename", from, err)
 	}
 	return nil, nil
+}
+
+// mkdirAllOwned makes directory dir and its missing parents (mode 0755);
+// those it makes belong to owner and its group when owner is set and the
+// agent may give them away.
+func mkdirAllOwned(dir string, owner *account) error {
+	var made []string
+	for d := dir; ; d = filepath.Dir(d) {
+		if _, err := os.Lstat(d); err == nil || d == "/" || d == "." {
+			break
+		}
+		made = append(made, d)
+	}
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return err
+	}
+	if owner == nil || os.Geteuid() != 0 {
+		return nil
+	}
+	for _, d := range made {
+		if err := os.Lchown(d, int(owner.uid), int(owner.gid)); err != nil {
+			return err
+		}
+	}
+	return nil
 }

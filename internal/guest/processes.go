@@ -6,6 +6,7 @@ import (
 	"os"
 	"sort"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -25,6 +26,7 @@ type proc struct {
 	// processes.stdin.
 	background     bool
 	stdout, stderr *ring
+	pty            *os.File // the terminal's master; nil without one
 
 	mu     sync.Mutex
 	stdin  *os.File // guarded by mu; nil when closed or absent
@@ -127,28 +129,55 @@ func (t *procTable) killAll() {
 }
 
 // startBackground starts cmd with its output kept in rings and returns at
-// once.
-func (a *Agent) startBackground(cmd *command, req *proto.ExecRequest) (any, error) {
+// once, or, with req.Attach, streams its output to r as well (paced by
+// r's credit) and returns its result when it ends. An attached call that
+// is cancelled, or whose session ends, leaves the process running.
+func (a *Agent) startBackground(ctx context.Context, r *request, cmd *command, req *proto.ExecRequest) (any, error) {
 	start := time.Now()
-	pid, done, std, err := a.startWithPipes(cmd, req.Stdin)
+	var (
+		pid  int
+		done <-chan exitStatus
+		std  *stdio
+		err  error
+	)
+	if req.PTY != nil {
+		pid, done, std, err = a.startWithPTY(cmd, *req.PTY)
+	} else {
+		pid, done, std, err = a.startWithPipes(cmd, req.Stdin)
+	}
 	if err != nil {
 		return nil, err
 	}
 	p := a.procs.add(&proc{
 		pid: pid, tag: req.Tag, args: cmd.argv, dir: cmd.dir, started: start,
 		background: true, stdout: newRing(ringSize), stderr: newRing(ringSize),
-		stdin: std.stdin, done: make(chan struct{}),
+		stdin: std.stdin, pty: std.pty, done: make(chan struct{}),
 	})
+	var att *attachment
+	if req.Attach {
+		att = &attachment{r: r, ctx: ctx}
+		r.sendEvent(proto.Event{Kind: "started", PID: pid})
+	}
 	exited := make(chan struct{})
 	var wg sync.WaitGroup
-	for _, s := range []struct {
+	outs := []struct {
 		f  *os.File
 		rg *ring
-	}{{std.stdout, p.stdout}, {std.stderr, p.stderr}} {
+		st proto.Stream
+	}{{std.stdout, p.stdout, proto.StreamStdout}, {std.stderr, p.stderr, proto.StreamStderr}}
+	for _, s := range outs {
+		if s.f == nil { // a terminal has one output
+			s.rg.close()
+			continue
+		}
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			pump(s.f, exited, func(b []byte) error { _, err := s.rg.Write(b); return err })
+			pump(s.f, exited, func(b []byte) error {
+				_, err := s.rg.Write(b)
+				att.send(s.st, b)
+				return err
+			})
 			s.f.Close()
 			s.rg.close()
 		}()
@@ -156,9 +185,13 @@ func (a *Agent) startBackground(cmd *command, req *proto.ExecRequest) (any, erro
 	go func() {
 		st, timedOut := awaitExit(done, pid, req.Timeout, nil)
 		close(exited)
-		// Pipes, open until the pumps end: setting a deadline cannot fail.
-		_ = std.stdout.SetReadDeadline(time.Now().Add(drainGrace))
-		_ = std.stderr.SetReadDeadline(time.Now().Add(drainGrace))
+		// Pipes (or a terminal's master), open until the pumps end:
+		// setting a deadline cannot fail.
+		for _, s := range outs {
+			if s.f != nil {
+				_ = s.f.SetReadDeadline(time.Now().Add(drainGrace))
+			}
+		}
 		wg.Wait()
 		p.mu.Lock()
 		if p.stdin != nil {
@@ -168,7 +201,35 @@ func (a *Agent) startBackground(cmd *command, req *proto.ExecRequest) (any, erro
 		p.mu.Unlock()
 		a.procs.finish(p, *result(pid, st, start, timedOut), false)
 	}()
-	return &proto.ExecResult{PID: pid, Tag: req.Tag, Running: true}, nil
+	if !req.Attach {
+		return &proto.ExecResult{PID: pid, Tag: req.Tag, Running: true}, nil
+	}
+	select {
+	case <-p.done:
+		res := p.result
+		return &res, nil
+	case <-ctx.Done():
+		return nil, errdefs.Unavailable("exec: detached; process %d runs on", pid)
+	}
+}
+
+// attachment streams a background process's output to the call that
+// started it until a send fails (the call was cancelled or its session
+// ended); a nil attachment sends nothing. Each pump sends on its own
+// goroutine.
+type attachment struct {
+	r      *request
+	ctx    context.Context
+	failed atomic.Bool
+}
+
+func (at *attachment) send(st proto.Stream, b []byte) {
+	if at == nil || at.failed.Load() {
+		return
+	}
+	if err := at.r.sendData(at.ctx, st, b, false); err != nil {
+		at.failed.Store(true)
+	}
 }
 
 func (a *Agent) processList(ctx context.Context, r *request, args json.RawMessage) (any, error) {
@@ -266,7 +327,11 @@ func (a *Agent) processStdin(ctx context.Context, r *request, args json.RawMessa
 // processConnect streams a background process's recent and live output and
 // ends with its result.
 func (a *Agent) processConnect(ctx context.Context, r *request, args json.RawMessage) (any, error) {
-	p, err := a.processRef(args)
+	var ref proto.ProcessRef
+	if err := decode(args, &ref); err != nil {
+		return nil, err
+	}
+	p, err := a.procs.get(ref.PID)
 	if err != nil {
 		return nil, err
 	}
@@ -275,6 +340,9 @@ func (a *Agent) processConnect(ctx context.Context, r *request, args json.RawMes
 	}
 	buf := make([]byte, chunkSize)
 	var offOut, offErr int64
+	if ref.Live {
+		offOut, offErr = p.stdout.end(), p.stderr.end()
+	}
 	for {
 		n1, next, endOut, w1 := p.stdout.readAt(offOut, buf)
 		offOut = next

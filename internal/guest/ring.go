@@ -72,3 +72,10 @@ func (r *ring) readAt(from int64, p []byte) (n int, next int64, ended bool, wake
 	}
 	return n, from, r.closed && from == r.total, r.wake
 }
+
+// end returns the offset just past the last byte written.
+func (r *ring) end() int64 {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.total
+}

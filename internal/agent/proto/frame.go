@@ -145,6 +145,7 @@ const (
 	StreamStdout Stream = 2
 	StreamStderr Stream = 3
 	StreamFile   Stream = 4
+	StreamWatch  Stream = 5 // WatchEvent lines of OpFileWatch
 )
 
 // Flags.

@@ -40,6 +40,16 @@ const (
 	// FeatureDisk: the agent moves the root's writable layer onto a disk
 	// when InitRequest.Disk asks.
 	FeatureDisk = "disk"
+	// FeaturePTY: exec takes ExecRequest.PTY and OpProcessResize.
+	FeaturePTY = "pty"
+	// FeatureAttach: exec takes ExecRequest.Attach, and connect
+	// ProcessRef.Live.
+	FeatureAttach = "attach"
+	// FeatureWatch: OpFileWatch.
+	FeatureWatch = "watch"
+	// FeatureRich: eval takes EvalRequest.Context, Reset, Env, Dir and
+	// Rich, and reports EvalResult.Results and Count.
+	FeatureRich = "rich"
 )
 
 // Operations named in Request.Op.
@@ -53,6 +63,7 @@ const (
 	OpProcessKill    = "processes.kill"    // ProcessRef → nothing
 	OpProcessConnect = "processes.connect" // ProcessRef → stdout/stderr data, ExecResult
 	OpProcessStdin   = "processes.stdin"   // StdinRequest → nothing
+	OpProcessResize  = "processes.resize"  // ResizeRequest → nothing
 	OpFileRead       = "files.read"        // PathRequest → file data, FileInfo
 	OpFileWrite      = "files.write"       // WriteRequest, file data → FileInfo
 	OpFileList       = "files.list"        // ListRequest → ListResult
@@ -60,6 +71,7 @@ const (
 	OpFileMkdir      = "files.mkdir"       // PathRequest → MkdirResult
 	OpFileRemove     = "files.remove"      // RemoveRequest → nothing
 	OpFileRename     = "files.rename"      // RenameRequest → nothing
+	OpFileWatch      = "files.watch"       // WatchRequest → "started" event, WatchEvent lines as watch data
 	OpEval           = "eval"              // EvalRequest → stdout/stderr data, EvalResult
 )
 
@@ -183,6 +195,32 @@ type ExecRequest struct {
 	Background bool          `json:"background,omitempty"`
 	// Tag names a background process for the host's convenience.
 	Tag string `json:"tag,omitempty"`
+	// Attach, with Background, keeps the call open: after its "started"
+	// event it streams the process's output as a foreground exec does
+	// (paced by the host's credit) and ends with the process's result.
+	// The process is a background process all along: its output also
+	// goes to its rings, stdin (with Stdin) is fed by OpProcessStdin, and
+	// it lives on, unattached, when the call is cancelled or its session
+	// ends.
+	Attach bool `json:"attach,omitempty"`
+	// PTY, when set, runs the process on a new pseudo-terminal of that
+	// size, as the session leader with the terminal as its controlling
+	// one: its stdin, stdout and stderr are the terminal, whose output
+	// comes as stdout data and whose input is fed as stdin (so Stdin is
+	// implied). Background only.
+	PTY *PTYSize `json:"pty,omitempty"`
+}
+
+// PTYSize is a terminal's size in characters.
+type PTYSize struct {
+	Cols uint16 `json:"cols"`
+	Rows uint16 `json:"rows"`
+}
+
+// ResizeRequest resizes the terminal of a process started with a PTY.
+type ResizeRequest struct {
+	PID int `json:"pid"`
+	PTYSize
 }
 
 // ExecResult is how a process ended, or, with Running, that a background
@@ -202,6 +240,9 @@ type ExecResult struct {
 // ProcessRef names a background process by pid.
 type ProcessRef struct {
 	PID int `json:"pid"`
+	// Live, for OpProcessConnect: stream only output produced from now
+	// on, not the recent output the agent kept.
+	Live bool `json:"live,omitempty"`
 }
 
 // SignalRequest sends a signal, by name ("SIGTERM", "TERM") or number, to a
@@ -237,6 +278,12 @@ type ProcessList struct {
 // PathRequest names one guest path (absolute).
 type PathRequest struct {
 	Path string `json:"path"`
+	// Follow, for OpFileStat: describe a final symlink's target (Target
+	// is then the resolved path).
+	Follow bool `json:"follow,omitempty"`
+	// User, for OpFileMkdir: the directories made belong to this user
+	// (a name or uid from the guest's /etc/passwd) and its group.
+	User string `json:"user,omitempty"`
 }
 
 // WriteRequest opens a file write; file data frames follow, the last one
@@ -244,6 +291,10 @@ type PathRequest struct {
 type WriteRequest struct {
 	Path string `json:"path"`
 	Mode uint32 `json:"mode,omitempty"`
+	// User, if set, owns a file that did not exist (an existing file
+	// keeps its owner) and the parent directories the write makes: a name
+	// or uid from the guest's /etc/passwd, with its group.
+	User string `json:"user,omitempty"`
 }
 
 // ListRequest lists a directory to Depth levels (1 when not positive).
@@ -292,6 +343,36 @@ type FileInfo struct {
 	Mode    uint32    `json:"mode"` // permission bits, setuid/setgid/sticky included
 	ModTime time.Time `json:"mtime"`
 	Target  string    `json:"target,omitempty"` // symlink target
+	// Owner and Group name the file's owner and group from the guest's
+	// /etc/passwd and /etc/group (their numbers when not named there).
+	Owner string `json:"owner,omitempty"`
+	Group string `json:"group,omitempty"`
+}
+
+// WatchRequest watches a directory (and with Recursive, the directories
+// below it) for changes. The agent answers with a "started" event once
+// the watch is set, then one JSON WatchEvent per line as StreamWatch data,
+// until the call is cancelled.
+type WatchRequest struct {
+	Path      string `json:"path"`
+	Recursive bool   `json:"recursive,omitempty"`
+}
+
+// Watch event operations (WatchEvent.Op).
+const (
+	WatchCreate   = "create"
+	WatchWrite    = "write"
+	WatchRemove   = "remove"
+	WatchRename   = "rename"
+	WatchChmod    = "chmod"
+	WatchOverflow = "overflow" // events were lost (Name is empty)
+)
+
+// WatchEvent is one change under a watched directory; Name is relative
+// to it.
+type WatchEvent struct {
+	Name string `json:"name"`
+	Op   string `json:"op"`
 }
 
 // EvalRequest runs Python code in the warm interpreter. Timeout, when
@@ -299,6 +380,18 @@ type FileInfo struct {
 type EvalRequest struct {
 	Code    string        `json:"code"`
 	Timeout time.Duration `json:"timeout_ns,omitempty"`
+	// Context names the namespace the code runs in ("" is the
+	// interpreter's main one); a new name starts an empty namespace.
+	// Reset empties it first (Code may then be empty).
+	Context string `json:"context,omitempty"`
+	Reset   bool   `json:"reset,omitempty"`
+	// Env is set in os.environ while the code runs, then restored; Dir,
+	// if set, becomes the working directory first.
+	Env map[string]string `json:"env,omitempty"`
+	Dir string            `json:"dir,omitempty"`
+	// Rich reports Results: the figures the code left or showed (as PNG)
+	// and the rich forms of its last expression's value.
+	Rich bool `json:"rich,omitempty"`
 }
 
 // EvalResult is the outcome of one eval. Errors of the code itself (an
@@ -318,6 +411,20 @@ type EvalResult struct {
 	// its state (globals, imports) is lost.
 	Restarted  bool  `json:"restarted,omitempty"`
 	DurationMS int64 `json:"duration_ms"`
+	// Results (EvalRequest.Rich) are what the code displayed, in order,
+	// the last expression's value last (Main).
+	Results []EvalDisplay `json:"results,omitempty"`
+	// Count numbers this eval among those of its context (from 1).
+	Count int `json:"count,omitempty"`
+}
+
+// EvalDisplay is one thing evaluated code displayed: Formats maps a form
+// (text, html, markdown, svg, png, jpeg, pdf, latex, json, javascript) to
+// its content, binary forms (png, jpeg, pdf) in base64.
+type EvalDisplay struct {
+	Formats map[string]string `json:"formats"`
+	// Main marks the value of the code's last expression.
+	Main bool `json:"main,omitempty"`
 }
 
 // EvalError is an exception raised by evaluated code.

@@ -48,7 +48,8 @@ func (in *interp) eval(ctx context.Context, r *request, req proto.EvalRequest, s
 	}()
 
 	start := time.Now()
-	id, err := in.send(p, pyReq{Op: "eval", Code: req.Code})
+	id, err := in.send(p, pyReq{Op: "eval", Code: req.Code, Context: req.Context, Reset: req.Reset,
+		Env: req.Env, Dir: req.Dir, Rich: req.Rich})
 	if err != nil {
 		in.kill(p)
 		return nil, errdefs.Unavailable("eval: python interpreter is gone (%w); restarted", err)
@@ -105,7 +106,7 @@ func (in *interp) eval(ctx context.Context, r *request, req proto.EvalRequest, s
 				call.output(proto.StreamStderr, m.S)
 			case "done":
 				in.awaitSync(p, id)
-				res := &proto.EvalResult{Value: m.Value, Error: m.Error, Truncated: m.Truncated}
+				res := &proto.EvalResult{Value: m.Value, Error: m.Error, Truncated: m.Truncated, Results: m.Results, Count: m.Count}
 				if m.Interrupted && timedOut {
 					res.TimedOut = true
 					tb := ""

@@ -62,16 +62,18 @@ type pyProc struct {
 
 // pyMsg is one reply line of pyserver.py.
 type pyMsg struct {
-	ID          int64             `json:"id"`
-	T           string            `json:"t"`
-	S           string            `json:"s"`
-	Value       string            `json:"value"`
-	Error       *proto.EvalError  `json:"error"`
-	Interrupted bool              `json:"interrupted"`
-	Truncated   bool              `json:"truncated"`
-	Python      string            `json:"python"`
-	Preloaded   []string          `json:"preloaded"`
-	Failed      map[string]string `json:"failed"`
+	ID          int64               `json:"id"`
+	T           string              `json:"t"`
+	S           string              `json:"s"`
+	Value       string              `json:"value"`
+	Error       *proto.EvalError    `json:"error"`
+	Interrupted bool                `json:"interrupted"`
+	Truncated   bool                `json:"truncated"`
+	Results     []proto.EvalDisplay `json:"results"`
+	Count       int                 `json:"count"`
+	Python      string              `json:"python"`
+	Preloaded   []string            `json:"preloaded"`
+	Failed      map[string]string   `json:"failed"`
 }
 
 // pyCall collects one eval's output.
@@ -347,11 +349,16 @@ func (in *interp) release() { <-in.sem }
 
 // pyReq is one request line of pyserver.py.
 type pyReq struct {
-	ID   int64  `json:"id"`
-	Op   string `json:"op"`
-	Code string `json:"code,omitempty"`
-	Seed string `json:"seed,omitempty"`
-	Path string `json:"path,omitempty"`
+	ID      int64             `json:"id"`
+	Op      string            `json:"op"`
+	Code    string            `json:"code,omitempty"`
+	Seed    string            `json:"seed,omitempty"`
+	Path    string            `json:"path,omitempty"`
+	Context string            `json:"ctx,omitempty"`
+	Reset   bool              `json:"reset,omitempty"`
+	Env     map[string]string `json:"env,omitempty"`
+	Dir     string            `json:"cwd,omitempty"`
+	Rich    bool              `json:"rich,omitempty"`
 }
 
 // send writes one request line and returns its id.

@@ -710,3 +710,21 @@ func (c *Client) SignalProcess(ctx context.Context, id string, pid int, signal s
 func (c *Client) KillProcess(ctx context.Context, id string, pid int) error {
 	return c.do(ctx, "DELETE", processPath(id, pid, ""), nil, nil, nil)
 }
+
+// CreateE2BKey issues an E2B-format API key; the answer is the only place
+// the key itself appears.
+func (c *Client) CreateE2BKey(ctx context.Context, name string) (*apiv1.E2BKey, error) {
+	var k apiv1.E2BKey
+	return &k, c.do(ctx, "POST", "/v1/e2b/keys", nil, apiv1.CreateE2BKeyRequest{Name: name}, &k)
+}
+
+// ListE2BKeys lists the E2B API keys, without the keys.
+func (c *Client) ListE2BKeys(ctx context.Context) ([]apiv1.E2BKey, error) {
+	var l apiv1.E2BKeyList
+	return l.Keys, c.do(ctx, "GET", "/v1/e2b/keys", nil, nil, &l)
+}
+
+// RevokeE2BKey revokes an E2B API key by id.
+func (c *Client) RevokeE2BKey(ctx context.Context, id string) error {
+	return c.do(ctx, "DELETE", "/v1/e2b/keys/"+url.PathEscape(id), nil, nil, nil)
+}

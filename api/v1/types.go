@@ -764,3 +764,24 @@ type ProcessList struct {
 type SignalRequest struct {
 	Signal string `json:"signal"`
 }
+
+// E2BKey is an E2B-format API key the daemon issued (docs/e2b.md): the E2B
+// SDKs present it as E2B_API_KEY to the E2B listener. Key is set only in
+// the answer to its creation; the daemon keeps its hash alone.
+type E2BKey struct {
+	ID      string    `json:"id"`
+	Name    string    `json:"name,omitempty"`
+	Hint    string    `json:"hint"` // first 8 and last 4 characters
+	Created time.Time `json:"created"`
+	Key     string    `json:"key,omitempty"`
+}
+
+// CreateE2BKeyRequest is the body of POST /v1/e2b/keys.
+type CreateE2BKeyRequest struct {
+	Name string `json:"name,omitempty"`
+}
+
+// E2BKeyList answers GET /v1/e2b/keys.
+type E2BKeyList struct {
+	Keys []E2BKey `json:"keys"`
+}

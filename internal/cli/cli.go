@@ -127,6 +127,7 @@ func newRoot(g *globals) *cobra.Command {
 		newPullCmd(g),
 		newPackCmd(g),
 		newUnpackCmd(g),
+		newE2BCmd(g),
 	)
 	return root
 }

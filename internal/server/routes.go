@@ -108,6 +108,9 @@ var routes = []route{
 	{Method: "POST", Path: "/v1/workspaces/{name}/suspend", Summary: "Branch the workspace's sandbox into a state snapshot and stop it", Response: apiv1.Workspace{}, h: plain((*Server).suspendWorkspace)},
 	{Method: "POST", Path: "/v1/workspaces/{name}/resume", Summary: "Fork the workspace's sandbox again from its latest state (a new id)", Response: apiv1.Workspace{}, h: plain((*Server).resumeWorkspace)},
 	{Method: "DELETE", Path: "/v1/workspaces/{name}", Summary: "Remove a workspace: its sandbox and its state snapshots, never the snapshot it was created from", Status: http.StatusNoContent, h: plain((*Server).deleteWorkspace)},
+	{Method: "POST", Path: "/v1/e2b/keys", Summary: "Issue an E2B-format API key for the E2B listener (the key is in this answer only)", Status: http.StatusCreated, Response: apiv1.E2BKey{}, h: body((*Server).createKey)},
+	{Method: "GET", Path: "/v1/e2b/keys", Summary: "List the E2B API keys (without the keys)", Response: apiv1.E2BKeyList{}, h: plain((*Server).listKeys)},
+	{Method: "DELETE", Path: "/v1/e2b/keys/{id}", Summary: "Revoke an E2B API key", Status: http.StatusNoContent, h: plain((*Server).revokeKey)},
 	{Method: "GET", Path: "/v1/operations", Summary: "List long-running operations", Response: apiv1.OperationList{}, h: plain((*Server).listOperations)},
 	{Method: "GET", Path: "/v1/operations/{id}", Summary: "One operation", Response: apiv1.Operation{}, h: plain((*Server).getOperation)},
 

@@ -26,6 +26,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	apiv1 "github.com/forkd/forkd/api/v1"
+	"github.com/forkd/forkd/internal/apikey"
 	"github.com/forkd/forkd/internal/errdefs"
 	"github.com/forkd/forkd/internal/fsutil"
 	"github.com/forkd/forkd/internal/sandbox"
@@ -79,6 +80,8 @@ type Config struct {
 	// the caller's own rights. OperationsDir, ImportDir and
 	// AllowImageScripts are ignored.
 	Local bool
+	// Keys are the E2B API keys (default: <data>/e2b-keys.json).
+	Keys *apikey.Store
 	// Audit receives one JSON line per request; nil discards.
 	Audit   io.Writer
 	Logger  *slog.Logger
@@ -169,6 +172,13 @@ func New(cfg Config) (*Server, error) {
 		if err := CheckToken(cfg.Token); err != nil {
 			return nil, err
 		}
+	}
+	if cfg.Keys == nil {
+		keys, err := apikey.Open(filepath.Join(cfg.Engine.Config().DataDir, KeysFile))
+		if err != nil {
+			return nil, err
+		}
+		cfg.Keys = keys
 	}
 	ops, err := openOperations(cfg.OperationsDir)
 	if err != nil {

@@ -70,7 +70,7 @@ With --from-sandbox ID, branch the running sandbox instead, as forkd branch does
 	}
 	f := cmd.Flags()
 	f.StringVar(&req.Tag, "tag", "", "name of the snapshot (required)")
-	f.StringVar(&req.Image, "image", "minimal", "image to boot (built-in: minimal, python)")
+	f.StringVar(&req.Image, "image", "minimal", "image to boot (built-in: minimal, python, code-interpreter)")
 	f.IntVar(&req.MemoryMiB, "mem-size-mib", 256, "guest RAM in MiB")
 	f.IntVar(&req.VCPUs, "vcpus", 1, "guest vCPUs")
 	f.StringArrayVar(&req.Warmup, "warmup", nil, "shell command to run in the parent before the snapshot (repeatable)")

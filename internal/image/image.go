@@ -90,6 +90,15 @@ func init() {
 			Python:   "/usr/bin/python3",
 			Preload:  []string{"numpy"},
 		}},
+		// The E2B code interpreter's runtime (docs/e2b.md): python with
+		// pandas and matplotlib warm; figures come back as PNG.
+		{Name: "code-interpreter", Rootfs: &RootfsSpec{
+			Variant: "minbase",
+			Packages: []string{"python3", "python3-numpy", "python3-pandas", "python3-matplotlib",
+				"ca-certificates", "iproute2", "procps"},
+			Python:  "/usr/bin/python3",
+			Preload: []string{"numpy", "pandas", "matplotlib.pyplot"},
+		}},
 	} {
 		if err := Register(s); err != nil {
 			panic(err)

@@ -105,7 +105,7 @@ func TestValidateName(t *testing.T) {
 }
 
 func TestRegistry(t *testing.T) {
-	if got := BuiltinNames(); strings.Join(got, ",") != "minimal,python" {
+	if got := BuiltinNames(); strings.Join(got, ",") != "code-interpreter,minimal,python" {
 		t.Errorf("BuiltinNames() = %v", got)
 	}
 	if err := Register(Spec{Name: "minimal"}); !errdefs.IsAlreadyExists(err) {

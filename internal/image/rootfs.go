@@ -23,6 +23,11 @@ const (
 	rootfsFormat   = 1
 )
 
+// GuestUser is the unprivileged account of the built-in images with a
+// root filesystem (the minimal image's initramfs has it too, with
+// /bin/sh): E2B's default user.
+var GuestUser = rootfs.User{Name: "user", UID: 1000, GID: 1000, Home: "/home/user", Shell: "/bin/bash"}
+
 // rootfsInfo is the manifest of a root filesystem in the cache.
 type rootfsInfo struct {
 	Format int    `json:"format"`
@@ -131,7 +136,7 @@ func (b *Builder) ensureDebootstrapRootfs(ctx context.Context, s RootfsSpec) (*r
 	pkgs := slices.Clone(s.Packages)
 	sort.Strings(pkgs)
 	key := hashKey(builderVersion, "debootstrap", d.suite, d.mirror, s.Variant,
-		strings.Join(d.components, ","), strings.Join(pkgs, ","))
+		strings.Join(d.components, ","), strings.Join(pkgs, ","), "user="+GuestUser.Name)
 	return b.ensureRootfs(ctx, key, func(ctx context.Context, tree string, m *rootfsInfo) error {
 		start := time.Now()
 		b.progressf(ctx, "rootfs: debootstrap %s %s from %s with %s (takes minutes)", s.Variant, d.suite, d.mirror, strings.Join(pkgs, ","))
@@ -151,6 +156,9 @@ func (b *Builder) ensureDebootstrapRootfs(ctx context.Context, s RootfsSpec) (*r
 			return err
 		}
 		if err := rootfs.EnsureMountpoints(t); err != nil {
+			return err
+		}
+		if err := rootfs.AddUser(t, GuestUser); err != nil {
 			return err
 		}
 		m.Python = rootfs.FindPython(t)

@@ -16,7 +16,8 @@
 //
 //	/bin/busybox             the static busybox, mode 0755
 //	/bin/<applet>, /sbin/<applet>   symlinks to /bin/busybox
-//	/etc/passwd, /etc/group  with root
+//	/etc/passwd, /etc/group  with root and user (1000:1000, shell /bin/sh)
+//	/home/user               user's home, mode 0755, owned by 1000:1000
 //
 // The output is deterministic: entries are sorted by path, every mtime is
 // 0 and owners are root, so the archive's sha256 is a key of its content.
@@ -112,9 +113,11 @@ func Write(w io.Writer, s Spec) error {
 			entries[name] = &entry{hdr: cpio.Header{Name: name, Mode: cpio.TypeSymlink | 0o777, Linkname: "/bin/busybox"}}
 		}
 		entries["etc/passwd"] = &entry{hdr: cpio.Header{Name: "etc/passwd", Mode: cpio.TypeReg | 0o644},
-			data: []byte("root:x:0:0:root:/root:/bin/sh\n")}
+			data: []byte("root:x:0:0:root:/root:/bin/sh\nuser:x:1000:1000::/home/user:/bin/sh\n")}
 		entries["etc/group"] = &entry{hdr: cpio.Header{Name: "etc/group", Mode: cpio.TypeReg | 0o644},
-			data: []byte("root:x:0:\n")}
+			data: []byte("root:x:0:\nuser:x:1000:\n")}
+		dir("home", 0o755)
+		entries["home/user"] = &entry{hdr: cpio.Header{Name: "home/user", Mode: cpio.TypeDir | 0o755, UID: 1000, GID: 1000}}
 	}
 
 	names := make([]string, 0, len(entries))

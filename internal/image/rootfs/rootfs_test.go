@@ -9,6 +9,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 
 	"github.com/forkd/forkd/internal/errdefs"
@@ -250,5 +251,44 @@ func TestDebootstrapPhase(t *testing.T) {
 				t.Errorf("debootstrapPhase(%q) = %v", l, got)
 			}
 		})
+	}
+}
+
+func TestAddUser(t *testing.T) {
+	dir := t.TempDir()
+	for name, content := range map[string]string{
+		"etc/passwd":        "root:x:0:0:root:/root:/bin/bash\n",
+		"etc/group":         "root:x:0:\nusers:x:100:",
+		"etc/shadow":        "root:*:19000:0:99999:7:::\n",
+		"etc/skel/.profile": "echo hi\n",
+	} {
+		testutil.Check(t, os.MkdirAll(filepath.Join(dir, filepath.Dir(name)), 0o755))
+		testutil.Check(t, os.WriteFile(filepath.Join(dir, name), []byte(content), 0o644))
+	}
+	tr, err := OpenTree(dir)
+	testutil.Check(t, err)
+	defer tr.Close()
+	u := User{Name: "user", UID: 1000, GID: 1000, Home: "/home/user", Shell: "/bin/bash"}
+	testutil.Check(t, AddUser(tr, u))
+	for name, want := range map[string]string{
+		"etc/passwd":         "root:x:0:0:root:/root:/bin/bash\nuser:x:1000:1000::/home/user:/bin/bash\n",
+		"etc/group":          "root:x:0:\nusers:x:100:\nuser:x:1000:\n",
+		"etc/shadow":         "root:*:19000:0:99999:7:::\nuser:!:19000:0:99999:7:::\n",
+		"home/user/.profile": "echo hi\n",
+	} {
+		b, err := os.ReadFile(filepath.Join(dir, name))
+		if err != nil || string(b) != want {
+			t.Errorf("%s = %q, %v; want %q", name, b, err, want)
+		}
+	}
+	if os.Geteuid() == 0 {
+		st, err := os.Stat(filepath.Join(dir, "home/user"))
+		testutil.Check(t, err)
+		if sys := st.Sys().(*syscall.Stat_t); sys.Uid != 1000 || sys.Gid != 1000 || st.Mode().Perm() != 0o755 {
+			t.Errorf("home: uid %d gid %d mode %v", sys.Uid, sys.Gid, st.Mode())
+		}
+	}
+	if err := AddUser(tr, u); !errdefs.IsAlreadyExists(err) {
+		t.Fatalf("adding the user again = %v", err)
 	}
 }

@@ -3,13 +3,16 @@ package cli
 import (
 	"context"
 	"crypto/tls"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
 	"net"
+	"net/http"
 	"os"
 	"path/filepath"
 	"runtime"
+	"strings"
 	"sync"
 	"syscall"
 	"time"
@@ -18,11 +21,14 @@ import (
 
 	apiv1 "github.com/forkd/forkd/api/v1"
 	"github.com/forkd/forkd/client"
+	"github.com/forkd/forkd/internal/apikey"
+	"github.com/forkd/forkd/internal/e2b"
 	"github.com/forkd/forkd/internal/errdefs"
 	"github.com/forkd/forkd/internal/loopback"
 	"github.com/forkd/forkd/internal/mcp"
 	"github.com/forkd/forkd/internal/sandbox"
 	"github.com/forkd/forkd/internal/server"
+	"github.com/forkd/forkd/internal/snapshot"
 )
 
 // serveOptions are the flags of forkd serve.
@@ -40,6 +46,10 @@ type serveOptions struct {
 	unresponsive                string
 	maxBranches                 int
 	grace, bodyTimeout          time.Duration
+	// The E2B listener (docs/e2b.md).
+	e2bListen, e2bDomain    string
+	e2bTLSCert, e2bTLSKey   string
+	e2bBase, e2bInterpreter string
 }
 
 func newServeCmd(g *globals) *cobra.Command {
@@ -86,6 +96,12 @@ missing). A non-loopback --listen needs TLS (--tls-cert/--tls-key) unless
 	f.IntVar(&o.maxBranches, "max-branches", sandbox.DefaultMaxBranches, "branches taken at once, 1 to 64; more are refused with 429")
 	f.StringVar(&o.unresponsive, "unresponsive", sandbox.UnresponsiveKeep, "what happens to a sandbox whose agent stops answering: keep (marked unresponsive, kept for inspection) or kill; a create request's on_unresponsive overrides it")
 	f.DurationVar(&o.grace, "shutdown-grace", 10*time.Second, "time requests in flight get to finish at shutdown, 0 to 1h")
+	f.StringVar(&o.e2bListen, "e2b-listen", "", `serve E2B's API on this TCP address too, e.g. 127.0.0.1:3000 (keys: forkd e2b key create; see docs/e2b.md)`)
+	f.StringVar(&o.e2bDomain, "e2b-domain", "", "the E2B sandboxes' domain (with :port if not 443): hosts <port>-<id>.<domain> reach sandbox ports (E2B_DOMAIN)")
+	f.StringVar(&o.e2bTLSCert, "e2b-tls-cert", "", "TLS certificate (PEM) for the E2B listener (a wildcard *.<domain> for host routing)")
+	f.StringVar(&o.e2bTLSKey, "e2b-tls-key", "", "TLS private key (PEM) for the E2B listener")
+	f.StringVar(&o.e2bBase, "e2b-base-template", "base", "snapshot tag of E2B's base template")
+	f.StringVar(&o.e2bInterpreter, "e2b-code-interpreter-template", "code-interpreter", "snapshot tag of E2B's code-interpreter-v1 template")
 	return cmd
 }
 
@@ -151,6 +167,26 @@ func (o serveOptions) validate() error {
 	if o.exportDir != "" {
 		if st, err := os.Stat(o.exportDir); err != nil || !st.IsDir() {
 			return errdefs.InvalidArgument("--export-dir %s: want an existing directory", o.exportDir)
+		}
+	}
+	if (o.e2bTLSCert == "") != (o.e2bTLSKey == "") {
+		return errdefs.InvalidArgument("--e2b-tls-cert and --e2b-tls-key go together")
+	}
+	if o.e2bListen != "" {
+		loopback, err := isLoopback(o.e2bListen)
+		if err != nil {
+			return err
+		}
+		if !loopback && o.e2bTLSCert == "" && !o.allowPlaintext {
+			return errdefs.InvalidArgument("--e2b-listen %s is not a loopback address: give --e2b-tls-cert and --e2b-tls-key (or --allow-plaintext to send keys in clear)", o.e2bListen)
+		}
+		for _, t := range []struct{ flag, tag string }{{"--e2b-base-template", o.e2bBase}, {"--e2b-code-interpreter-template", o.e2bInterpreter}} {
+			if err := snapshot.ValidateTag(t.tag); err != nil {
+				return fmt.Errorf("%s: %w", t.flag, err)
+			}
+		}
+		if strings.ContainsAny(o.e2bDomain, "/ ") {
+			return errdefs.InvalidArgument("--e2b-domain %q: want a host name, with :port if needed", o.e2bDomain)
 		}
 	}
 	if o.listen != "" {
@@ -256,11 +292,17 @@ func serve(ctx context.Context, g *globals, o serveOptions) error {
 		return err
 	}
 	defer closeAudit()
+	keys, err := apikey.Open(filepath.Join(dir, server.KeysFile))
+	if err != nil {
+		return err
+	}
 	exp := sandbox.NewExpirer(e)
+	admit := sandbox.NewAdmitter(e, sandbox.Admission{MaxSandboxes: o.maxSandboxes, MaxPending: o.maxPending})
 	srv, err := server.New(server.Config{
 		Engine:               e,
-		Admitter:             sandbox.NewAdmitter(e, sandbox.Admission{MaxSandboxes: o.maxSandboxes, MaxPending: o.maxPending}),
+		Admitter:             admit,
 		Expirer:              exp,
+		Keys:                 keys,
 		Token:                token,
 		MaxBodyBytes:         o.maxBody,
 		MaxBodyBytesInFlight: o.maxBodyInFlight,
@@ -316,6 +358,13 @@ func serve(ctx context.Context, g *globals, o serveOptions) error {
 	sctx, stop := context.WithCancel(ctx)
 	defer stop()
 	go exp.Run(sctx)
+	if o.e2bListen != "" {
+		stopE2B, err := serveE2B(sctx, g, o, e, admit, exp, keys, log)
+		if err != nil {
+			return err
+		}
+		defer stopE2B()
+	}
 	err = srv.Serve(ctx, o.grace, lns...)
 	stop()
 	stopMCP(o.grace)
@@ -465,4 +514,54 @@ func (r *eventRelay) send(ev sandbox.Event) {
 	if to != nil {
 		to(ev)
 	}
+}
+
+// serveE2B serves the E2B listener until ctx ends; stop shuts it down,
+// giving requests in flight the shutdown grace.
+func serveE2B(ctx context.Context, g *globals, o serveOptions, e *sandbox.Engine, admit *sandbox.Admitter,
+	exp *sandbox.Expirer, keys *apikey.Store, log *slog.Logger) (stop func(), err error) {
+	es, err := e2b.New(e2b.Config{
+		Engine: e, Admitter: admit, Expirer: exp, Keys: keys, Domain: o.e2bDomain, Logger: log,
+		Templates: map[string]string{"base": o.e2bBase, "code-interpreter-v1": o.e2bInterpreter},
+	})
+	if err != nil {
+		return nil, err
+	}
+	ln, err := net.Listen("tcp", o.e2bListen)
+	if err != nil {
+		es.Close()
+		return nil, fmt.Errorf("listen %s: %w", o.e2bListen, err)
+	}
+	hs := es.HTTPServer()
+	scheme := "http"
+	served := make(chan error, 1)
+	if o.e2bTLSCert != "" {
+		cert, err := tls.LoadX509KeyPair(o.e2bTLSCert, o.e2bTLSKey)
+		if err != nil {
+			ln.Close()
+			es.Close()
+			return nil, errdefs.InvalidArgument("E2B TLS certificate: %v", err)
+		}
+		hs.TLSConfig = &tls.Config{Certificates: []tls.Certificate{cert}, MinVersion: tls.VersionTLS12}
+		scheme = "https"
+		go func() { served <- hs.ServeTLS(ln, "", "") }()
+	} else {
+		go func() { served <- hs.Serve(ln) }()
+	}
+	es.Start(ctx)
+	if ks, err := keys.List(); err == nil && len(ks) == 0 {
+		fmt.Fprintln(g.stderr, "forkd: no E2B API key yet: forkd e2b key create")
+	}
+	fmt.Fprintf(g.stderr, "forkd: E2B API on %s://%s\n", scheme, ln.Addr())
+	return func() {
+		sctx, cancel := context.WithTimeout(context.Background(), o.grace)
+		defer cancel()
+		if err := hs.Shutdown(sctx); err != nil {
+			hs.Close()
+		}
+		if err := <-served; err != nil && !errors.Is(err, http.ErrServerClosed) {
+			log.Warn("e2b listener", "err", err)
+		}
+		es.Close()
+	}, nil
 }

@@ -168,8 +168,8 @@ func TestMetadataFilter(t *testing.T) {
 func TestRawFilename(t *testing.T) {
 	for cd, want := range map[string]string{
 		`form-data; name="file"; filename="/tmp/e2bmock/m1.txt"`: "/tmp/e2bmock/m1.txt",
-		`form-data; name="file"; filename="a/b%22c%0Ad.txt"`:    "a/b\"c\nd.txt",
-		`form-data; name="file"`:                                "",
+		`form-data; name="file"; filename="a/b%22c%0Ad.txt"`:     "a/b\"c\nd.txt",
+		`form-data; name="file"`:                                 "",
 	} {
 		if got := rawFilename(cd); got != want {
 			t.Errorf("rawFilename(%q) = %q, want %q", cd, got, want)

@@ -29,6 +29,9 @@ const (
 	flagEndStream  = 0x02
 )
 
+// streamGrace is how long a stream outlives its Connect-Timeout-Ms.
+const streamGrace = 2 * time.Second
+
 // maxMessage bounds a request message.
 const maxMessage = 16 << 20
 
@@ -296,7 +299,12 @@ func stream[Req any](keepalive any, fn func(ctx context.Context, r *http.Request
 			sw.end(err)
 			return
 		}
-		ctx, cancel := deadline(r)
+		// The call's deadline, with a grace: what ends at it (a process
+		// the guest kills then) still gets its last messages out.
+		ctx, cancel := context.WithCancel(r.Context())
+		if d := timeoutOf(r); d > 0 {
+			ctx, cancel = context.WithTimeout(r.Context(), d+streamGrace)
+		}
 		defer cancel()
 		w.Header().Set("Content-Type", "application/connect+json")
 		w.WriteHeader(http.StatusOK)

@@ -301,19 +301,14 @@ func (s *Server) createSandbox(w http.ResponseWriter, r *http.Request) error {
 		}
 		rec.Private = n.AllowPublicTraffic != nil && !*n.AllowPublicTraffic
 	}
-	if err := s.store.put(rec); err != nil {
-		return err
-	}
+	// Recorded once its sandbox runs: a crash before leaves a forkd
+	// sandbox that its timeout ends, and no record.
 	id, err := s.start(r.Context(), rec, tag, timeout)
 	if err != nil {
-		_ = s.store.remove(rec.ID)
 		return err
 	}
-	rec, err = s.store.update(rec.ID, func(cur *record) error {
-		cur.Sandbox, cur.StartedAt, cur.EndAt = id, time.Now().UTC(), time.Now().UTC().Add(timeout)
-		return nil
-	})
-	if err != nil {
+	rec.Sandbox, rec.StartedAt, rec.EndAt = id, time.Now().UTC(), time.Now().UTC().Add(timeout)
+	if err := s.store.put(rec); err != nil {
 		s.kill(id)
 		return err
 	}

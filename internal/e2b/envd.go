@@ -154,13 +154,19 @@ func (u guestUser) abs(p string) string {
 
 // userCache holds each sandbox's accounts, read from its /etc/passwd.
 type userCache struct {
-	mu sync.Mutex
-	m  map[string]map[string]guestUser // forkd sandbox → name → account; guarded by mu
+	mu   sync.Mutex
+	m    map[string]map[string]guestUser // forkd sandbox → name → account; guarded by mu
+	read map[string]time.Time            // forkd sandbox → when read; guarded by mu
 }
+
+// rereadAfter is how long a name missing from a sandbox's /etc/passwd is
+// taken as missing before the file is read again.
+const rereadAfter = 5 * time.Second
 
 func (u *userCache) drop(sb string) {
 	u.mu.Lock()
 	delete(u.m, sb)
+	delete(u.read, sb)
 	u.mu.Unlock()
 }
 
@@ -169,9 +175,10 @@ func (u *userCache) drop(sb string) {
 func (u *userCache) lookup(ctx context.Context, c *agent.Client, sb, name string) (guestUser, bool, error) {
 	u.mu.Lock()
 	acct, ok := u.m[sb][name]
+	fresh := time.Since(u.read[sb]) < rereadAfter
 	u.mu.Unlock()
-	if ok {
-		return acct, true, nil
+	if ok || fresh {
+		return acct, ok, nil
 	}
 	var buf bytes.Buffer
 	if _, err := c.ReadFile(ctx, "/etc/passwd", &limitWriter{w: &buf, n: 4 << 20}); err != nil {
@@ -194,9 +201,9 @@ func (u *userCache) lookup(ctx context.Context, c *agent.Client, sb, name string
 	}
 	u.mu.Lock()
 	if u.m == nil {
-		u.m = map[string]map[string]guestUser{}
+		u.m, u.read = map[string]map[string]guestUser{}, map[string]time.Time{}
 	}
-	u.m[sb] = users
+	u.m[sb], u.read[sb] = users, time.Now()
 	u.mu.Unlock()
 	acct, ok = users[name]
 	return acct, ok, nil

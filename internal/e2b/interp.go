@@ -60,7 +60,7 @@ func (s *Server) serveInterpreter(w http.ResponseWriter, r *http.Request, rec *r
 	}
 	switch {
 	case p == "/execute" && r.Method == http.MethodPost:
-		s.execute(w, r, rec, c)
+		s.execute(w, r, rec, sb, c)
 	case p == "/contexts" && r.Method == http.MethodPost:
 		s.createContext(w, r, rec)
 	case p == "/contexts" && r.Method == http.MethodGet:
@@ -130,7 +130,7 @@ func (o outputLines) Write(p []byte) (int, error) {
 	return len(p), nil
 }
 
-func (s *Server) execute(w http.ResponseWriter, r *http.Request, rec *record, c *agent.Client) {
+func (s *Server) execute(w http.ResponseWriter, r *http.Request, rec *record, sb *state.Sandbox, c *agent.Client) {
 	var req executeRequest
 	if err := decode(r, &req); err != nil {
 		writeAPIError(w, err)
@@ -159,12 +159,13 @@ func (s *Server) execute(w http.ResponseWriter, r *http.Request, rec *record, c 
 		n.line(map[string]any{"type": "end_of_execution"})
 		return
 	}
-	ereq := proto.EvalRequest{Code: req.Code, Env: req.EnvVars, Rich: true, Dir: "/home/user"}
+	// The default context works in the default user's home, as E2B's.
+	ereq := proto.EvalRequest{Code: req.Code, Env: req.EnvVars, Rich: true}
+	if u, ok, err := s.users.lookup(r.Context(), c, sb.ID, defaultUser); err == nil && ok {
+		ereq.Dir = u.Home
+	}
 	if cc != nil {
 		ereq.Context, ereq.Dir = cc.ID, cc.Cwd
-	}
-	if _, err := c.Stat(r.Context(), ereq.Dir); err != nil {
-		ereq.Dir = ""
 	}
 	res, err := c.EvalStream(r.Context(), ereq, outputLines{n, "stdout"}, outputLines{n, "stderr"})
 	if err != nil {

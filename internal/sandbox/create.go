@@ -274,6 +274,9 @@ func (e *Engine) CreateSnapshot(ctx context.Context, spec SnapshotSpec) (*snapsh
 	return snap, nil
 }
 
+// preloadTimeout bounds a parent's init: its warm interpreter's imports.
+const preloadTimeout = 15 * time.Minute
+
 // warm waits for the parent's agent, sets its identity and runs the warmup
 // commands.
 func (e *Engine) warm(ctx context.Context, m vmm.Machine, spec SnapshotSpec, consoleLog string) error {
@@ -284,12 +287,14 @@ func (e *Engine) warm(ctx context.Context, m vmm.Machine, spec SnapshotSpec, con
 		return fmt.Errorf("parent agent: %w%s", err, consoleTail(consoleLog))
 	}
 	defer c.Close()
-	// Init starts the warm interpreter and its preloads: under emulation on a
-	// busy host that can take as long as the boot, so it gets its own budget.
-	ictx, icancel := context.WithTimeout(ctx, spec.BootTimeout)
+	// Init starts the warm interpreter and imports its preload (pandas and
+	// matplotlib for code-interpreter): under emulation on a busy host that
+	// takes minutes, as long as the boot or longer, so it gets its own
+	// budget, never under preloadTimeout.
+	ictx, icancel := context.WithTimeout(ctx, max(spec.BootTimeout, preloadTimeout))
 	defer icancel()
 	if err := c.Init(ictx, initRequest("parent", 0)); err != nil {
-		return fmt.Errorf("parent init: %w", err)
+		return fmt.Errorf("parent init (the warm interpreter's preload): %w", err)
 	}
 	for _, cmd := range spec.Warmup {
 		e.progress(ctx, "warmup: %s", cmd)

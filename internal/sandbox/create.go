@@ -274,7 +274,8 @@ func (e *Engine) CreateSnapshot(ctx context.Context, spec SnapshotSpec) (*snapsh
 	return snap, nil
 }
 
-// preloadTimeout bounds a parent's init: its warm interpreter's imports.
+// preloadTimeout is the least bound of a parent's init: its warm
+// interpreter's imports.
 const preloadTimeout = 15 * time.Minute
 
 // warm waits for the parent's agent, sets its identity and runs the warmup

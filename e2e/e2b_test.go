@@ -50,15 +50,32 @@ func requireSDK(t *testing.T) string {
 	if major < 20 || major == 20 && minor < 18 || major == 21 {
 		testutil.Unavailable(t, "the E2B SDKs need node >= 20.18.1 (<21) or >= 22, not "+string(out))
 	}
-	cmd := exec.Command("npm", "ci", "--no-audit", "--no-fund", "--prefer-offline")
-	cmd.Dir = e2bDir
+	npm(t, e2bDir, "ci", "--no-audit", "--no-fund", "--prefer-offline")
+	return node
+}
+
+// npm runs npm with args in dir, failing t if it fails.
+func npm(t *testing.T, dir string, args ...string) {
+	t.Helper()
+	cmd := exec.Command("npm", args...)
+	cmd.Dir = dir
 	cmd.Env = append(os.Environ(), "npm_config_update_notifier=false")
 	start := time.Now()
 	if out, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("npm ci in e2e/%s: %v\n%s", e2bDir, err, out)
+		t.Fatalf("npm %v in %s: %v\n%s", args, dir, err, out)
 	}
-	t.Logf("npm ci: %.1fs", time.Since(start).Seconds())
-	return node
+	t.Logf("npm %v: %.1fs", args, time.Since(start).Seconds())
+}
+
+// nativeSDK builds forkd's own TypeScript SDK (sdk/typescript) for the
+// baseline of the measures and returns its entry point.
+func nativeSDK(t *testing.T) string {
+	t.Helper()
+	dir, err := filepath.Abs("../sdk/typescript")
+	testutil.Check(t, err)
+	npm(t, dir, "ci", "--no-audit", "--no-fund", "--prefer-offline")
+	npm(t, dir, "run", "build")
+	return filepath.Join(dir, "dist", "index.js")
 }
 
 // freePort returns a loopback port free now.
@@ -183,9 +200,11 @@ func TestE2BSDK(t *testing.T) {
 	run := fmt.Sprintf("run%d", time.Now().UnixNano())
 
 	m := sdkRun(t, node, "E2B_API_KEY="+key, "E2B_API_URL="+api, "E2B_SANDBOX_URL="+api,
-		"FORKD_E2B_SCHEME=http", "FORKD_E2B_RUN="+run+"h", "FORKD_E2B_MEASURE=5")
+		"FORKD_E2B_SCHEME=http", "FORKD_E2B_RUN="+run+"h", "FORKD_E2B_MEASURE=5",
+		"FORKD_NATIVE_SDK="+nativeSDK(t), "FORKD_NATIVE_URL="+d.url, "FORKD_NATIVE_TOKEN="+d.token)
 	if m != nil {
-		t.Logf("measured through the E2B SDK (TCG): %v", m)
+		b, _ := json.Marshal(m)
+		t.Logf("measured, E2B SDK and forkd's TypeScript SDK over TCP in turns: %s", b)
 	}
 
 	// A sandbox made before a restart is still there after it, with its

@@ -6,6 +6,8 @@
 //   FORKD_E2B_RUN      a label: sandboxes carry it as metadata
 //   FORKD_E2B_ONLY     a comma list of scenarios to run (default: all)
 //   FORKD_E2B_MEASURE  a number N: also time N creates and the round trips
+//   FORKD_NATIVE_SDK   sdk/typescript/dist/index.js: time forkd's own SDK too,
+//                      at FORKD_NATIVE_URL with FORKD_NATIVE_TOKEN
 //
 // Each scenario prints "ok NAME (ms)" or "FAIL NAME: error"; measurements
 // print one "measure {json}" line. The exit status is 1 if any failed.
@@ -308,35 +310,76 @@ await scenario('runCode-png', async () => {
   assert(Buffer.from(png.png, 'base64').subarray(0, 4).equals(Buffer.from([0x89, 0x50, 0x4e, 0x47])), 'PNG magic')
 })
 
-if (process.env.FORKD_E2B_MEASURE && ci) {
-  const n = Number(process.env.FORKD_E2B_MEASURE)
-  const m = { create_to_first_output_ms: [], run_true_ms: [], run_code_ms: [] }
+// measure times, through the E2B SDK and (with FORKD_NATIVE_SDK) through
+// forkd's own TypeScript SDK over REST v1 in the same run, taking turns call
+// by call so that a shared machine's drifting load weighs on both alike:
+// Sandbox.create to the first output of commands.run('echo'), then
+// commands.run('true') and runCode('1+1') round trips in one sandbox each.
+async function measure(n) {
+  const faces = {
+    e2b: {
+      create: () => Sandbox.create({ metadata: { run, role: 'measure' }, timeoutMs: 600_000 }),
+      python: async () => ci,
+    },
+  }
+  let ctl
+  if (process.env.FORKD_NATIVE_SDK) {
+    const native = await import(process.env.FORKD_NATIVE_SDK)
+    ctl = new native.Controller({ url: process.env.FORKD_NATIVE_URL, token: process.env.FORKD_NATIVE_TOKEN, env: {} })
+    const opts = { controller: ctl, metadata: { run, role: 'measure' }, timeoutMs: 600_000 }
+    faces.forkd = {
+      create: () => native.Sandbox.create(process.env.FORKD_NATIVE_BASE || 'base', opts),
+      python: () => native.Sandbox.create(process.env.FORKD_NATIVE_PYTHON || 'code-interpreter', opts),
+    }
+  }
+  const m = {}
+  const add = (face, what, ms) => ((m[face] ??= {})[what] ??= []).push(ms)
   for (let i = 0; i < n; i++) {
-    const t0 = performance.now()
-    const s = await Sandbox.create({ metadata: { run, role: 'measure' } })
-    let first = 0
-    await s.commands.run('echo hi', { onStdout: () => { first = first || performance.now() } })
-    m.create_to_first_output_ms.push(first - t0)
+    for (const [face, f] of Object.entries(faces)) {
+      const t0 = performance.now()
+      const s = await f.create()
+      let first = 0
+      const r = await s.commands.run('echo hi', { onStdout: () => { first = first || performance.now() } })
+      eq(r.stdout, 'hi\n', `${face} echo`)
+      add(face, 'create_to_first_output_ms', first - t0)
+      await s.kill()
+    }
+  }
+  const sbs = {}
+  for (const [face, f] of Object.entries(faces)) sbs[face] = { s: await f.create(), py: await f.python() }
+  for (let i = 0; i < 3 * n + 3; i++) {
+    for (const [face, { s, py }] of Object.entries(sbs)) {
+      let t0 = performance.now()
+      await s.commands.run('true')
+      const tRun = performance.now() - t0
+      t0 = performance.now()
+      const r = await py.runCode('1+1')
+      const tCode = performance.now() - t0
+      eq(r.text, '2', `${face} runCode 1+1`)
+      if (i < 3) continue // warm-up
+      add(face, 'run_true_ms', tRun)
+      add(face, 'run_code_ms', tCode)
+    }
+  }
+  for (const { s, py } of Object.values(sbs)) {
     await s.kill()
+    if (py !== ci) await py.kill()
   }
-  const s = await Sandbox.create({ metadata: { run, role: 'measure' } })
-  for (let i = 0; i < 3 * n; i++) {
-    const t0 = performance.now()
-    await s.commands.run('true')
-    m.run_true_ms.push(performance.now() - t0)
-  }
-  await s.kill()
-  for (let i = 0; i < 3 * n; i++) {
-    const t0 = performance.now()
-    const r = await ci.runCode('1+1')
-    m.run_code_ms.push(performance.now() - t0)
-    eq(r.text, '2', 'runCode 1+1')
-  }
+  ctl?.close()
   const summary = {}
-  for (const [k, xs] of Object.entries(m)) {
-    summary[k] = { n: xs.length, p50: Math.round(percentile(xs, 50)), p90: Math.round(percentile(xs, 90)) }
+  for (const [face, ms] of Object.entries(m)) {
+    summary[face] = {}
+    for (const [k, xs] of Object.entries(ms)) {
+      summary[face][k] = { n: xs.length, p50: Math.round(percentile(xs, 50)), p90: Math.round(percentile(xs, 90)) }
+    }
   }
-  console.log('measure ' + JSON.stringify(summary))
+  return summary
+}
+
+if (process.env.FORKD_E2B_MEASURE && ci) {
+  await scenario('measure', async () => {
+    console.log('measure ' + JSON.stringify(await measure(Number(process.env.FORKD_E2B_MEASURE))))
+  })
 }
 
 if (ci) await ci.kill()

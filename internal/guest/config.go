@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"regexp"
 	"strconv"
 	"strings"
 	"time"
@@ -157,4 +158,29 @@ func loadBootConfig(cmdline map[string]string, configPath string) (bootConfig, e
 		bc.agent.Env = append(append([]string(nil), DefaultEnv...), fc.Env...)
 	}
 	return bc, errors.Join(errs...)
+}
+
+// qemuCPU matches /proc/cpuinfo of QEMU's own CPU models.
+var qemuCPU = regexp.MustCompile(`(?m)^model name\s*: QEMU Virtual CPU`)
+
+// emulatedCPUEnv returns env (DefaultEnv when nil) with
+// OPENBLAS_CORETYPE=Prescott added when cpuinfo is QEMU's emulated CPU (the
+// qemu64 model forkd gives TCG guests) and env does not set it. OpenBLAS
+// takes that CPU for an Opteron and runs kernels TCG does not emulate:
+// numpy.dot, and so matplotlib's drawing, died of SIGILL. Prescott's
+// kernels need only SSE3, which qemu64 has. Under KVM (-cpu host) nothing
+// changes.
+func emulatedCPUEnv(cpuinfo string, env []string) []string {
+	if env == nil {
+		env = DefaultEnv
+	}
+	if !qemuCPU.MatchString(cpuinfo) {
+		return env
+	}
+	for _, kv := range env {
+		if strings.HasPrefix(kv, "OPENBLAS_CORETYPE=") {
+			return env
+		}
+	}
+	return append(append([]string(nil), env...), "OPENBLAS_CORETYPE=Prescott")
 }

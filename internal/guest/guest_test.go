@@ -202,3 +202,23 @@ func TestParseNetConfig(t *testing.T) {
 		})
 	}
 }
+
+// TestEmulatedCPUEnv: OpenBLAS gets a core type its kernels run on under
+// QEMU's emulated CPU, unless one is set; other CPUs keep the environment.
+func TestEmulatedCPUEnv(t *testing.T) {
+	qemu := "processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: QEMU Virtual CPU version 2.5+\n"
+	host := "processor\t: 0\nmodel name\t: AMD EPYC 7B13\n"
+	if got := emulatedCPUEnv(qemu, nil); !reflect.DeepEqual(got, append(append([]string(nil), DefaultEnv...), "OPENBLAS_CORETYPE=Prescott")) {
+		t.Errorf("qemu64, default env: %v", got)
+	}
+	set := []string{"PATH=/bin", "OPENBLAS_CORETYPE=Haswell"}
+	if got := emulatedCPUEnv(qemu, set); !reflect.DeepEqual(got, set) {
+		t.Errorf("qemu64, core type set: %v", got)
+	}
+	if got := emulatedCPUEnv(host, set[:1]); !reflect.DeepEqual(got, set[:1]) {
+		t.Errorf("host CPU: %v", got)
+	}
+	if got := emulatedCPUEnv(host, nil); !reflect.DeepEqual(got, DefaultEnv) {
+		t.Errorf("host CPU, default env: %v", got)
+	}
+}

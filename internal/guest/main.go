@@ -134,6 +134,9 @@ func runPID1() {
 	if err != nil {
 		log.Warn("config", "err", err)
 	}
+	if b, err := os.ReadFile("/proc/cpuinfo"); err == nil {
+		bc.agent.Env = emulatedCPUEnv(string(b), bc.agent.Env)
+	}
 	if bc.debug {
 		level.Set(slog.LevelDebug)
 	}

@@ -147,7 +147,7 @@ await scenario('files', async () => {
   await sbx.files.write('/home/user/hello.txt', 'hello there')
   eq(await sbx.files.read('/home/user/hello.txt'), 'hello there', 'text read back')
   await sbx.files.write('rel.txt', 'relative')
-  eq((await sbx.commands.run('cat ~/rel.txt; stat -c %U ~/rel.txt')).stdout, 'relative\nuser\n', 'relative path, owner')
+  eq((await sbx.commands.run('cat ~/rel.txt; echo; stat -c %U ~/rel.txt')).stdout, 'relative\nuser\n', 'relative path, owner')
   await sbx.files.write([
     { path: '/tmp/multi/a.txt', data: 'A' },
     { path: '/tmp/multi/b.txt', data: 'B' },
@@ -230,8 +230,11 @@ await scenario('list', async () => {
   const ids = mine.map((s) => s.sandboxId)
   assert(ids.includes(sbx.sandboxId), 'main listed: ' + ids)
   for (const f of forks) assert(ids.includes(f.sandboxId), 'fork listed')
+  // Forks carry their source's metadata: all four have run and odd.
   const odd = await Sandbox.list({ query: { metadata: { run, odd: 'a b&c=d' } } }).nextItems()
-  eq(JSON.stringify(odd.map((s) => s.sandboxId)), JSON.stringify([sbx.sandboxId]), 'metadata with & and = and spaces')
+  eq(JSON.stringify(odd.map((s) => s.sandboxId).sort()), JSON.stringify([...ids].sort()), 'metadata with & and = and spaces')
+  const near = await Sandbox.list({ query: { metadata: { run, odd: 'a b&c=e' } } }).nextItems()
+  eq(near.length, 0, 'a value that differs in its last character')
   const none = await Sandbox.list({ query: { metadata: { run, role: 'nope' } } }).nextItems()
   eq(none.length, 0, 'no match')
   if (ids.length >= 2) {

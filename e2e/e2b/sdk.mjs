@@ -359,9 +359,19 @@ async function measure(n) {
       const r = await py.runCode('1+1')
       const tCode = performance.now() - t0
       eq(r.text, '2', `${face} runCode 1+1`)
+      // The E2B SDK runs a command as /bin/bash -l -c CMD, forkd's as
+      // /bin/sh -c CMD: the same login shell through forkd's SDK tells
+      // the shell's cost from the wire's.
+      let tLogin
+      if (face !== 'e2b') {
+        t0 = performance.now()
+        await s.commands.run('/bin/bash -l -c true')
+        tLogin = performance.now() - t0
+      }
       if (i < 3) continue // warm-up
       add(face, 'run_true_ms', tRun)
       add(face, 'run_code_ms', tCode)
+      if (tLogin !== undefined) add(face, 'run_bash_login_true_ms', tLogin)
     }
   }
   for (const { s, py } of Object.values(sbs)) {

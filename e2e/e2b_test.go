@@ -20,7 +20,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 
@@ -215,11 +214,11 @@ func TestE2BSDK(t *testing.T) {
 		t.Fatalf("create: %d %v", code, sb)
 	}
 	id, _ := sb["sandboxID"].(string)
-	testutil.Check(t, d.cmd.Process.Signal(syscall.SIGTERM))
-	d.cmd.Wait()
+	d.stop()
 
 	caFile, certFile, keyFile := tlsFor(t, c.data, e2bDomain)
-	startServe(t, c, "--e2b-listen", "127.0.0.1:"+port, "--e2b-domain", domain, "--e2b-tls-cert", certFile, "--e2b-tls-key", keyFile)
+	d = startServe(t, c, "--e2b-listen", "127.0.0.1:"+port, "--e2b-domain", domain, "--e2b-tls-cert", certFile, "--e2b-tls-key", keyFile)
+	t.Cleanup(d.stop) // before startServe's SIGKILL: no parked VMM left behind
 	pool := x509.NewCertPool()
 	b, err := os.ReadFile(caFile)
 	testutil.Check(t, err)

@@ -110,6 +110,26 @@ func (d *daemonProc) kill9() {
 	d.cmd = nil
 }
 
+// stop ends the daemon as an operator would, with SIGTERM, and reaps it
+// (SIGKILL after a minute): a SIGTERMed daemon takes down the VMMs it
+// parked for its pool, which a SIGKILLed one leaves running.
+func (d *daemonProc) stop() {
+	if d.cmd == nil || d.cmd.Process == nil {
+		return
+	}
+	_ = d.cmd.Process.Signal(syscall.SIGTERM)
+	done := make(chan struct{})
+	go func() { d.cmd.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(time.Minute):
+		d.t.Errorf("daemon still running a minute after SIGTERM; killed\n%s", d.output())
+		d.cmd.Process.Kill()
+		<-done
+	}
+	d.cmd = nil
+}
+
 func (d *daemonProc) client(token string) *client.Client {
 	c, err := client.New(d.url, token)
 	if err != nil {

@@ -382,17 +382,7 @@ func (s *Server) setTimeout(w http.ResponseWriter, r *http.Request) error {
 	if err != nil {
 		return err
 	}
-	id := r.PathValue("id")
-	unlock := s.ops.lock(id)
-	defer unlock()
-	if _, err := s.lookup(r.Context(), id); err != nil {
-		return err
-	}
-	if _, err := s.extend(r.Context(), id, d, false); err != nil {
-		return err
-	}
-	noContent(w)
-	return nil
+	return s.retime(w, r, d, false)
 }
 
 func (s *Server) refresh(w http.ResponseWriter, r *http.Request) error {
@@ -406,13 +396,19 @@ func (s *Server) refresh(w http.ResponseWriter, r *http.Request) error {
 	if err != nil {
 		return err
 	}
+	return s.retime(w, r, d, true)
+}
+
+// retime sets the end of the sandbox in r's path to d from now (only
+// later, when onlyExtend) and answers 204.
+func (s *Server) retime(w http.ResponseWriter, r *http.Request, d time.Duration, onlyExtend bool) error {
 	id := r.PathValue("id")
 	unlock := s.ops.lock(id)
 	defer unlock()
 	if _, err := s.lookup(r.Context(), id); err != nil {
 		return err
 	}
-	if _, err := s.extend(r.Context(), id, d, true); err != nil {
+	if _, err := s.extend(r.Context(), id, d, onlyExtend); err != nil {
 		return err
 	}
 	noContent(w)

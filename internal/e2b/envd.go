@@ -36,13 +36,19 @@ func (s *Server) serveEnvd(w http.ResponseWriter, r *http.Request, rec *record, 
 		return
 	}
 	rpc := strings.HasPrefix(r.URL.Path, "/process.Process/") || strings.HasPrefix(r.URL.Path, "/filesystem.Filesystem/")
-	if !tokenEqual(r.Header.Get("X-Access-Token"), rec.AccessToken) && !(r.URL.Path == "/files" && s.signed(r, rec)) {
-		err := errdefs.Unauthenticated("invalid or missing X-Access-Token for sandbox %s", rec.ID)
-		if rpc {
-			writeUnaryError(w, err)
-		} else {
+	// fail answers err as a Connect error to an RPC, as E2B's JSON to REST;
+	// rpcCode, when not empty, is the Connect code an RPC gets.
+	fail := func(err error, rpcCode string) {
+		if !rpc {
 			writeAPIError(w, err)
+		} else if rpcCode != "" {
+			writeUnaryError(w, withCode(rpcCode, err))
+		} else {
+			writeUnaryError(w, err)
 		}
+	}
+	if !tokenEqual(r.Header.Get("X-Access-Token"), rec.AccessToken) && !(r.URL.Path == "/files" && s.signed(r, rec)) {
+		fail(errdefs.Unauthenticated("invalid or missing X-Access-Token for sandbox %s", rec.ID), "")
 		return
 	}
 	c, _, err := s.e.Agent(r.Context(), sb.ID)
@@ -52,12 +58,7 @@ func (s *Server) serveEnvd(w http.ResponseWriter, r *http.Request, rec *record, 
 	}
 	for _, f := range []string{proto.FeatureAttach, proto.FeaturePTY, proto.FeatureWatch} {
 		if !slices.Contains(c.Features(), f) {
-			err := errdefs.FailedPrecondition("sandbox %s runs an agent without %s: remake its snapshot (%s) with this forkd", rec.ID, f, sb.Snapshot)
-			if rpc {
-				writeUnaryError(w, err)
-			} else {
-				writeAPIError(w, err)
-			}
+			fail(errdefs.FailedPrecondition("sandbox %s runs an agent without %s: remake its snapshot (%s) with this forkd", rec.ID, f, sb.Snapshot), "")
 			return
 		}
 	}
@@ -107,12 +108,7 @@ func (s *Server) serveEnvd(w http.ResponseWriter, r *http.Request, rec *record, 
 		h = unary(ec.removeWatcher)
 	}
 	if h == nil {
-		err := errdefs.NotFound("envd: no route %s %s", r.Method, errdefs.Quote(r.URL.Path))
-		if rpc {
-			writeUnaryError(w, withCode(codeUnimplemented, err))
-		} else {
-			writeAPIError(w, err)
-		}
+		fail(errdefs.NotFound("envd: no route %s %s", r.Method, errdefs.Quote(r.URL.Path)), codeUnimplemented)
 		return
 	}
 	if rpc && r.Method != http.MethodPost {

@@ -20,6 +20,11 @@ const run = process.env.FORKD_E2B_RUN || String(Date.now())
 const only = (process.env.FORKD_E2B_ONLY || '').split(',').filter(Boolean)
 let failed = 0
 
+// slow is for the calls that write or map a sandbox's memory (fork, pause,
+// connect): on a shared machine under TCG they can outlast the SDK's 60 s
+// request timeout.
+const slow = { requestTimeoutMs: 300_000 }
+
 function assert(cond, msg) {
   if (!cond) throw new Error('assertion failed: ' + msg)
 }
@@ -200,14 +205,14 @@ await scenario('getHost', async () => {
   const text = await until('the sandbox server', async () => {
     const r = await fetch(url)
     return r.ok ? r.text() : undefined
-  }, 60000)
+  }, 180_000)
   eq(text, 'served from the sandbox', 'body from ' + url)
 })
 
 let forks = []
 await scenario('fork', async () => {
   await sbx.files.write('/home/user/state.txt', 'before fork')
-  const res = await sbx.fork({ count: 3, timeoutMs: 600_000 })
+  const res = await sbx.fork({ count: 3, timeoutMs: 600_000, ...slow })
   eq(res.length, 3, 'forks')
   for (const f of res) {
     if (f instanceof Error) throw f
@@ -260,11 +265,11 @@ await scenario('setTimeout', async () => {
 await scenario('pause+connect', async () => {
   await sbx.files.write('/home/user/paused.txt', 'kept')
   const h = await sbx.commands.run('sleep 1000', { background: true, timeoutMs: 0 })
-  eq(await sbx.pause(), true, 'pause')
-  eq(await sbx.pause(), false, 'pause again')
+  eq(await sbx.pause(slow), true, 'pause')
+  eq(await sbx.pause(slow), false, 'pause again')
   eq((await Sandbox.getInfo(sbx.sandboxId)).state, 'paused', 'state')
   eq(await sbx.isRunning(), false, 'isRunning while paused')
-  const again = await Sandbox.connect(sbx.sandboxId)
+  const again = await Sandbox.connect(sbx.sandboxId, slow)
   eq(again.sandboxId, sbx.sandboxId, 'the same id')
   eq(await again.files.read('/home/user/paused.txt'), 'kept', 'file kept')
   const ps = await again.commands.list()
@@ -306,7 +311,7 @@ await scenario('runCode-error', async () => {
 })
 
 await scenario('runCode-png', async () => {
-  const r = await ci.runCode('import matplotlib.pyplot as plt\nplt.plot([1, 2, 3])\nplt.title("forkd")\nplt.show()')
+  const r = await ci.runCode('import matplotlib.pyplot as plt\nplt.plot([1, 2, 3])\nplt.title("forkd")\nplt.show()', { timeoutMs: 300_000 })
   eq(r.error, undefined, 'error')
   const png = r.results.find((x) => x.png)
   assert(png, 'a png result: ' + JSON.stringify(r.results.map((x) => x.formats())))

@@ -188,6 +188,9 @@ func TestE2BSDK(t *testing.T) {
 	testutil.RequireRoot(t) // sandboxes with their own network: getHost
 	c := newCLI(t)
 	node := requireSDK(t)
+	// A daemon and data dir of its own, mostly waiting on guests and
+	// node: it runs beside the SDK, MCP and example tests.
+	t.Parallel()
 	c.ok("snapshot", "--tag", "base", "--image", "python")
 	c.ok("snapshot", "--tag", "code-interpreter", "--image", "code-interpreter", "--mem-size-mib", "1024")
 

@@ -28,6 +28,9 @@ type machineConfig struct {
 	DiskSerials []string `json:"disk_serials,omitempty"`
 	NICs        []string `json:"nic_macs,omitempty"`
 	TSCkHz      int      `json:"tsc_khz,omitempty"`
+	// NoPIT leaves the i8254 out of a microvm. Snapshots made before it
+	// existed have a PIT (false), and keep it in their children.
+	NoPIT bool `json:"no_pit,omitempty"`
 	// Argv is identityArgs() as it was when the machine booted; a restore
 	// refuses a snapshot whose identity this code would now spell
 	// differently.
@@ -80,7 +83,11 @@ func (c machineConfig) identityArgs() argv {
 	var a argv
 	mtype := c.Machine + ",memory-backend=mem"
 	if c.Machine == "microvm" {
-		mtype = "microvm,pit=on,pic=on,rtc=on,memory-backend=mem"
+		pit := "on"
+		if c.NoPIT {
+			pit = "off"
+		}
+		mtype = "microvm,pit=" + pit + ",pic=on,rtc=on,memory-backend=mem"
 	}
 	accel := c.Accel
 	if c.Accel == "tcg" && c.TBSizeMiB > 0 {

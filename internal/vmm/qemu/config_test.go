@@ -33,6 +33,15 @@ func TestIdentityArgsStable(t *testing.T) {
 	if _, err := decodeShape(c.encode()); err != nil {
 		t.Fatalf("attach to a VM of a changed identity: %v", err)
 	}
+	// Newer snapshots leave the PIT out; older ones keep it.
+	c.NoPIT = true
+	c.Argv = c.identityArgs()
+	if !strings.HasPrefix(strings.Join(c.Argv, " "), "-M microvm,pit=off,pic=on,rtc=on,memory-backend=mem ") {
+		t.Fatalf("no PIT: %s", strings.Join(c.Argv, " "))
+	}
+	if _, err := decodeConfig(c.encode()); err != nil {
+		t.Fatalf("decode without PIT: %v", err)
+	}
 }
 
 func TestInstanceArgs(t *testing.T) {

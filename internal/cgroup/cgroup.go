@@ -92,6 +92,9 @@ type Manager struct {
 	v1  []*hierarchy
 	v2  *hierarchy
 	all []*hierarchy // every hierarchy holding us, used or not
+	// freezer is the hierarchy whose groups can be frozen (freeze.go): a
+	// v1 freezer (also in v1), else the v2 one (also v2); nil for none.
+	freezer *hierarchy
 
 	// Test hooks: create and remove a cgroup directory (the kernel
 	// populates and drops the control files; a fake tree must do so).
@@ -154,10 +157,38 @@ func New(opts Options) (*Manager, error) {
 			}
 		}
 	}
-	if len(m.place) == 0 {
-		return nil, errdefs.Unavailable("no usable cgroup controller (memory, cpu, pids, io) on this host")
+	m.findFreezer()
+	if len(m.place) == 0 && m.freezer == nil {
+		return nil, errdefs.Unavailable("no usable cgroup controller (memory, cpu, pids, io, freezer) on this host")
 	}
 	return m, nil
+}
+
+// findFreezer picks the hierarchy groups are frozen in: v1's freezer
+// controller where it is mounted (hosts in hybrid mode), else a v2
+// hierarchy that holds us, where every cgroup has cgroup.freeze. Either
+// becomes one of the group's hierarchies, so that a VMM started with
+// limits is born in its freezer cgroup and Destroy removes that too.
+func (m *Manager) findFreezer() {
+	for _, h := range m.all {
+		if !h.v2 && slices.Contains(h.controllers, "freezer") {
+			m.freezer = h
+			if !slices.Contains(m.v1, h) {
+				m.v1 = append(m.v1, h)
+			}
+			return
+		}
+	}
+	if m.v2 != nil {
+		m.freezer = m.v2
+		return
+	}
+	for _, h := range m.all {
+		if h.v2 {
+			m.freezer, m.v2 = h, h
+			return
+		}
+	}
 }
 
 // Layout describes where each kind of limit lives, for reports

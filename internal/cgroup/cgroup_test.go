@@ -34,12 +34,14 @@ var fakeFiles = map[string]map[string]string{
 		"memory.usage_in_bytes": "0", "memory.max_usage_in_bytes": "0", "memory.failcnt": "0"},
 	"cpu":     {"cpu.cfs_period_us": "100000", "cpu.cfs_quota_us": "-1", "cpu.shares": "1024", "cpu.stat": "nr_periods 0\nnr_throttled 0\n"},
 	"cpuacct": {"cpuacct.usage": "0"},
+	"freezer": {"freezer.state": "THAWED"},
 	"pids":    {"pids.max": "max", "pids.current": "0", "pids.events": "max 0\n"},
 	"blkio":   {"blkio.bfq.weight": "100", "blkio.throttle.read_bps_device": "", "blkio.throttle.write_bps_device": "", "blkio.throttle.read_iops_device": "", "blkio.throttle.write_iops_device": ""},
 	"v2": {"memory.max": "max", "memory.swap.max": "max", "memory.events": "low 0\nhigh 0\nmax 0\noom 0\noom_kill 0\n",
 		"memory.current": "0", "cpu.max": "max 100000", "cpu.weight": "100", "cpu.stat": "usage_usec 0\n",
 		"pids.max": "max", "pids.current": "0", "pids.events": "max 0\n", "io.weight": "default 100", "io.max": "",
-		"cgroup.subtree_control": "", "cgroup.controllers": "", "cgroup.kill": ""},
+		"cgroup.subtree_control": "", "cgroup.controllers": "", "cgroup.kill": "",
+		"cgroup.freeze": "0", "cgroup.events": "populated 0\nfrozen 0\n"},
 }
 
 // newFake builds a host. v1 names hierarchies mounted as v1 (each
@@ -176,7 +178,7 @@ func TestDiscoverHybrid(t *testing.T) {
 	}
 	want := []string{"cpu/process_api/4ea8/forkd/sb1/cgroup.procs", "cpuacct/process_api/4ea8/forkd/sb1/cgroup.procs",
 		"memory/process_api/4ea8/forkd/sb1/cgroup.procs", "blkio/process_api/4ea8/forkd/sb1/cgroup.procs",
-		"pids/process_api/4ea8/forkd/sb1/cgroup.procs"}
+		"pids/process_api/4ea8/forkd/sb1/cgroup.procs", "freezer/process_api/4ea8/forkd/sb1/cgroup.procs"}
 	slices.Sort(hs)
 	slices.Sort(want)
 	if !slices.Equal(hs, want) {
@@ -214,7 +216,7 @@ func TestDiscoverHybrid(t *testing.T) {
 	if err := g.Destroy(); !errdefs.IsUnavailable(err) {
 		t.Fatalf("destroy with a process that never leaves: %v", err)
 	}
-	for _, h := range []string{"memory", "cpu", "cpuacct", "pids", "blkio"} {
+	for _, h := range []string{"memory", "cpu", "cpuacct", "pids", "blkio", "freezer"} {
 		testutil.WriteFile(t, filepath.Join(dir(h), "cgroup.procs"), nil, 0o644)
 	}
 	if err := g.Destroy(); err != nil {

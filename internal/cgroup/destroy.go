@@ -62,6 +62,9 @@ func (m *Manager) removeDir(dir string, deadline time.Time) error {
 		return nil
 	}
 	for {
+		// A task frozen by the v1 freezer dies of SIGKILL only once
+		// thawed. What fails here shows as a group that stays busy.
+		_ = thawDir(dir)
 		if exists(dir, "cgroup.kill") {
 			// v2 (5.14+): kills atomically. On failure killAll still kills
 			// each process, and rmdir reports what stays.

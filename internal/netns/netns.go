@@ -468,3 +468,22 @@ func (m *Manager) ensureForwarding() error {
 func ipnet(p netip.Prefix) *net.IPNet {
 	return &net.IPNet{IP: p.Addr().AsSlice(), Mask: net.CIDRMask(p.Bits(), p.Addr().BitLen())}
 }
+
+// sysClassNet is where the kernel shows network devices' counters.
+var sysClassNet = "/sys/class/net"
+
+// Inbound returns how many packets the host has sent towards slot's
+// network since its link was made: traffic for the guest (published
+// ports, replies to it). The count only grows while the slot lives; it is
+// read from the host end of the slot's veth, so reading it costs one small
+// file read and touches no namespace.
+func (m *Manager) Inbound(slot int) (uint64, error) {
+	if err := m.checkSlot(slot); err != nil {
+		return 0, err
+	}
+	b, err := os.ReadFile(filepath.Join(sysClassNet, m.hostLink(slot), "statistics", "tx_packets"))
+	if err != nil {
+		return 0, err
+	}
+	return strconv.ParseUint(strings.TrimSpace(string(b)), 10, 64)
+}

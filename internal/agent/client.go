@@ -264,6 +264,13 @@ func (c *Client) Err() error {
 	return c.err
 }
 
+// Pending returns how many calls wait for the agent now.
+func (c *Client) Pending() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return len(c.calls)
+}
+
 // Close cancels pending calls in the guest (best effort), closes the
 // connection and fails the calls. Had the connection broken instead, the
 // guest would cancel this session's foreground requests only when the next

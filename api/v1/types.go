@@ -297,6 +297,10 @@ type CreateSandboxesRequest struct {
 	// "running" again if the agent answers), "kill" kills it; empty
 	// follows the daemon's --unresponsive.
 	OnUnresponsive string `json:"on_unresponsive,omitempty"`
+	// IdleFreezeSecs is how long each sandbox may go without a request or
+	// inbound traffic before the daemon freezes it (any request wakes it):
+	// 1 to 86400 seconds, 0 for the daemon's --idle-freeze, -1 never.
+	IdleFreezeSecs int `json:"idle_freeze_secs,omitempty"`
 }
 
 // Limits are a sandbox's resource limits; zero fields set none. Each
@@ -334,8 +338,11 @@ type ChildFailure struct {
 const (
 	SandboxStarting = "starting"
 	SandboxRunning  = "running"
-	SandboxDead     = "dead"
-	SandboxOOM      = "oom"
+	// SandboxFrozen is a running sandbox frozen while idle; any request
+	// wakes it.
+	SandboxFrozen = "frozen"
+	SandboxDead   = "dead"
+	SandboxOOM    = "oom"
 )
 
 // Sandbox is one child VM.
@@ -357,11 +364,14 @@ type Sandbox struct {
 	OnUnresponsive string `json:"on_unresponsive,omitempty"`
 	// DiskMiB is the size of the sandbox's writable disk (0: none).
 	DiskMiB int `json:"disk_mib,omitempty"`
+	// IdleFreezeSecs is the sandbox's own idle-freeze time (0 follows the
+	// daemon's, -1 never).
+	IdleFreezeSecs int `json:"idle_freeze_secs,omitempty"`
 }
 
 // SandboxList answers GET /v1/sandboxes. Query parameters filter it:
 // snapshot=TAG, metadata=KEY=VALUE (repeatable; all must match) and
-// status=S (starting, running, unresponsive, building, dead or oom;
+// status=S (starting, running, unresponsive, frozen, building, dead or oom;
 // parked is accepted but matches nothing, as parked VMMs are never
 // listed).
 type SandboxList struct {
@@ -557,7 +567,8 @@ type ForkRequest struct {
 	OnUnresponsive string       `json:"on_unresponsive,omitempty"`
 	// DiskMiB is as in CreateSandboxesRequest: the children of a sandbox
 	// with a disk get its disk, so it is 0 or that size for them.
-	DiskMiB int `json:"disk_mib,omitempty"`
+	DiskMiB        int `json:"disk_mib,omitempty"`
+	IdleFreezeSecs int `json:"idle_freeze_secs,omitempty"`
 }
 
 // SnapshotInfo answers GET /v1/snapshots/{tag}/info: the snapshot, its

@@ -35,6 +35,7 @@ func (b *batchFlags) register(cmd *cobra.Command, one, many string) {
 	f.StringArrayVar(&b.meta, "metadata", nil, "KEY=VALUE recorded with each "+one+" (repeatable)")
 	f.IntVar(&b.req.DiskMiB, "disk-mib", 0, "a writable disk of this many MiB per "+one+" (64 to 1048576): files written to the root file system go there instead of guest RAM (not /tmp); branches carry it, copy-on-write")
 	f.StringVar(&b.req.OnUnresponsive, "on-unresponsive", "", "when the "+one+"'s agent stops answering: keep (marked unresponsive) or kill (default: the daemon's --unresponsive, else keep)")
+	f.IntVar(&b.req.IdleFreezeSecs, "idle-freeze-secs", 0, "seconds without requests or inbound traffic before the daemon freezes each "+one+" (any request wakes it): 1 to 86400, 0 the daemon's --idle-freeze, -1 never")
 }
 
 // request checks the flags and returns the create request they make.
@@ -89,7 +90,7 @@ func (b *batchFlags) forkRequest(mode string) (apiv1.ForkRequest, error) {
 	req = b.req
 	fr := apiv1.ForkRequest{Count: req.N, Mode: mode, TimeoutSecs: req.TimeoutSecs, Metadata: req.Metadata,
 		Limits: req.Limits, Network: req.Network, KeepPartial: req.KeepPartial, OnUnresponsive: req.OnUnresponsive,
-		DiskMiB: req.DiskMiB}
+		DiskMiB: req.DiskMiB, IdleFreezeSecs: req.IdleFreezeSecs}
 	if _, _, err := request.ForkFrom(&fr, sandbox.DefaultMaxChildren); err != nil {
 		return fr, err
 	}

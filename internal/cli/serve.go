@@ -50,6 +50,7 @@ type serveOptions struct {
 	e2bListen, e2bDomain    string
 	e2bTLSCert, e2bTLSKey   string
 	e2bBase, e2bInterpreter string
+	idleFreeze              time.Duration
 }
 
 func newServeCmd(g *globals) *cobra.Command {
@@ -95,6 +96,7 @@ missing). A non-loopback --listen needs TLS (--tls-cert/--tls-key) unless
 	f.StringVar(&o.importDir, "import-dir", "", "the only directory whose tarballs and OCI layouts API callers may import (default <data-dir>/imports; other refs must be registry references)")
 	f.IntVar(&o.maxBranches, "max-branches", sandbox.DefaultMaxBranches, "branches taken at once, 1 to 64; more are refused with 429")
 	f.StringVar(&o.unresponsive, "unresponsive", sandbox.UnresponsiveKeep, "what happens to a sandbox whose agent stops answering: keep (marked unresponsive, kept for inspection) or kill; a create request's on_unresponsive overrides it")
+	f.DurationVar(&o.idleFreeze, "idle-freeze", sandbox.DefaultIdleFreeze, "freeze a sandbox's VMM (no CPU) after this long without requests or inbound traffic, 0 (never) or 1s to 24h; any request wakes it (root, cgroup freezer); a create request's idle_freeze_secs overrides it")
 	f.DurationVar(&o.grace, "shutdown-grace", 10*time.Second, "time requests in flight get to finish at shutdown, 0 to 1h")
 	f.StringVar(&o.e2bListen, "e2b-listen", "", `serve E2B's API on this TCP address too, e.g. 127.0.0.1:3000 (keys: forkd e2b key create; see docs/e2b.md)`)
 	f.StringVar(&o.e2bDomain, "e2b-domain", "", "the E2B sandboxes' domain (with :port if not 443): hosts <port>-<id>.<domain> reach sandbox ports (E2B_DOMAIN)")
@@ -155,6 +157,9 @@ func (o serveOptions) validate() error {
 	}
 	if o.grace < 0 || o.grace > maxServeGrace {
 		return errdefs.InvalidArgument("--shutdown-grace %v: want 0 to %v", o.grace, maxServeGrace)
+	}
+	if o.idleFreeze != 0 && (o.idleFreeze < time.Second || o.idleFreeze > sandbox.MaxIdleFreezeSecs*time.Second) {
+		return errdefs.InvalidArgument("--idle-freeze %v: want 0 (never) or 1s to 24h", o.idleFreeze)
 	}
 	if o.bodyTimeout < time.Second || o.bodyTimeout > time.Hour {
 		return errdefs.InvalidArgument("--body-timeout %v: want 1s to 1h", o.bodyTimeout)
@@ -270,6 +275,7 @@ func serve(ctx context.Context, g *globals, o serveOptions) error {
 		c.Unresponsive = o.unresponsive
 		c.MaxBranches = o.maxBranches
 		c.OnEvent = events.send
+		c.IdleFreeze = o.idleFreeze
 		c.Progress = io.Discard
 	})
 	if err != nil {
@@ -365,9 +371,15 @@ func serve(ctx context.Context, g *globals, o serveOptions) error {
 		}
 		defer stopE2B()
 	}
+	idleDone := make(chan struct{})
+	go func() {
+		defer close(idleDone)
+		e.RunIdle(sctx)
+	}()
 	err = srv.Serve(ctx, o.grace, lns...)
 	stop()
 	stopMCP(o.grace)
+	<-idleDone // it thaws what it froze
 	fmt.Fprintln(g.stderr, "forkd: stopped; sandboxes keep running")
 	return err
 }

@@ -52,7 +52,7 @@ func CheckCPUs(field string, cpus float64) error {
 }
 
 // SandboxStatuses are the statuses GET /v1/sandboxes?status= filters on.
-var SandboxStatuses = []string{state.StatusStarting, state.StatusRunning, state.StatusUnresponsive, state.StatusParked, state.StatusBuilding,
+var SandboxStatuses = []string{state.StatusStarting, state.StatusRunning, state.StatusUnresponsive, state.StatusFrozen, state.StatusParked, state.StatusBuilding,
 	state.StatusDead, state.StatusOOM}
 
 // ForkSpec validates a create request into a fork spec. maxN is the
@@ -113,8 +113,12 @@ func ForkSpec(req *apiv1.CreateSandboxesRequest, maxN int) (sandbox.ForkSpec, er
 	if err := sandbox.ValidateUnresponsive(req.OnUnresponsive); err != nil {
 		return spec, fmt.Errorf("on_unresponsive: %w", err)
 	}
+	if err := sandbox.ValidateIdleFreezeSecs(req.IdleFreezeSecs); err != nil {
+		return spec, err
+	}
 	spec = sandbox.ForkSpec{
 		Tag: req.SnapshotTag, N: n, Metadata: md, KeepPartial: req.KeepPartial, OnUnresponsive: req.OnUnresponsive,
+		IdleFreezeSecs: req.IdleFreezeSecs,
 		Timeout:        time.Duration(req.TimeoutSecs) * time.Second,
 		GuestPIDsLimit: req.GuestPIDsLimit,
 		DiskMiB:        req.DiskMiB,
@@ -181,7 +185,7 @@ func View(sb *state.Sandbox) apiv1.Sandbox {
 	v := apiv1.Sandbox{
 		ID: sb.ID, SnapshotTag: sb.Snapshot, Status: sb.Status, PID: sb.Handle.Process.PID,
 		Created: sb.Created, ReadyMS: sb.ReadyMS, ExpiresAt: sb.ExpiresAt, Metadata: sb.Metadata,
-		OnUnresponsive: sb.OnUnresponsive,
+		OnUnresponsive: sb.OnUnresponsive, IdleFreezeSecs: sb.IdleFreezeSecs,
 	}
 	if sb.Disk != nil {
 		v.DiskMiB = sb.Disk.MiB
@@ -373,7 +377,8 @@ func ForkFrom(req *apiv1.ForkRequest, maxN int) (string, sandbox.ForkSpec, error
 	spec, err := ForkSpec(&apiv1.CreateSandboxesRequest{
 		SnapshotTag: "from-sandbox", N: req.Count, TimeoutSecs: req.TimeoutSecs, Metadata: req.Metadata,
 		Limits: req.Limits, Network: req.Network, KeepPartial: req.KeepPartial, OnUnresponsive: req.OnUnresponsive,
-		DiskMiB: req.DiskMiB,
+		DiskMiB:        req.DiskMiB,
+		IdleFreezeSecs: req.IdleFreezeSecs,
 	}, maxN)
 	spec.Tag = ""
 	return req.Mode, spec, err

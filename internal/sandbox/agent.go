@@ -17,6 +17,27 @@ func (e *Engine) Agent(ctx context.Context, id string) (c *agent.Client, release
 		return nil, nil, err
 	}
 	if e.cfg.Daemon {
+		start := time.Now()
+		hold, resync, err := e.hold(id)
+		if err != nil {
+			return nil, nil, err
+		}
+		c, _, err := e.agent(ctx, id)
+		if err != nil {
+			hold()
+			return nil, nil, err
+		}
+		if resync {
+			e.woken(ctx, id, c, start)
+		}
+		return c, hold, nil
+	}
+	return e.agent(ctx, id)
+}
+
+// agent is Agent without the idle watch's hold.
+func (e *Engine) agent(ctx context.Context, id string) (c *agent.Client, release func(), err error) {
+	if e.cfg.Daemon {
 		if c := e.cachedClient(id); c != nil {
 			return c, func() {}, nil
 		}

@@ -115,6 +115,12 @@ func (e *Engine) Branch(ctx context.Context, spec BranchSpec) (*snapshot.Snapsho
 		}
 	}
 	defer release()
+	// Awake while it is branched: a frozen VMM answers no QMP.
+	awake, _, err := e.hold(spec.ID)
+	if err != nil {
+		return nil, err
+	}
+	defer awake()
 	sb, err := e.Get(ctx, spec.ID)
 	if err != nil {
 		return nil, err

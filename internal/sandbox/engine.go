@@ -21,6 +21,7 @@ import (
 	"runtime"
 	"strings"
 	"sync"
+	"time"
 
 	"github.com/forkd/forkd/internal/agent"
 	"github.com/forkd/forkd/internal/cgroup"
@@ -85,6 +86,10 @@ type Config struct {
 	// ProbeTimeout and CallGrace; zero fields take the agent package's
 	// defaults). For tests.
 	Liveness agent.Options
+	// IdleFreeze, if positive, is how long a daemon's running sandbox may
+	// go without requests or inbound traffic before RunIdle freezes it
+	// (a sandbox's own IdleFreezeSecs overrides it).
+	IdleFreeze time.Duration
 	// OnEvent, if set, receives events outside requests (a sandbox found
 	// unresponsive, and so on); it must not block.
 	OnEvent func(Event)
@@ -122,6 +127,7 @@ type Engine struct {
 	// releases what another already did — a slot a new child may have
 	// taken since.
 	ends keyedLocks
+	idle idler // daemon mode: the idle watch's state (freeze.go)
 }
 
 // keyedLocks are mutexes by key (a sandbox id), each kept only while a
@@ -268,6 +274,7 @@ func New(cfg Config) (*Engine, error) {
 		restores: make(chan struct{}, cfg.MaxParallel),
 		branches: make(chan struct{}, cfg.MaxBranches),
 		conns:    map[string]*agent.Client{},
+		idle:     idler{m: map[string]*idleState{}},
 		images: &image.Builder{
 			CacheDir:  cfg.CacheDir,
 			AgentPath: cfg.AgentPath,

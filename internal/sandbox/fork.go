@@ -47,6 +47,9 @@ type ForkSpec struct {
 	Limits *state.Limits
 	// OnUnresponsive overrides Config.Unresponsive for these children.
 	OnUnresponsive string
+	// IdleFreezeSecs overrides Config.IdleFreeze for these children: 0
+	// follows it, -1 never freezes them.
+	IdleFreezeSecs int
 	// GuestPIDsLimit, when positive, caps the tasks inside each child's
 	// guest (proto.InitRequest.PIDsLimit); 0 is the agent's default.
 	GuestPIDsLimit int
@@ -89,6 +92,9 @@ func (e *Engine) Fork(ctx context.Context, spec ForkSpec) (*ForkResult, error) {
 		return nil, err
 	}
 	if err := ValidateUnresponsive(spec.OnUnresponsive); err != nil {
+		return nil, err
+	}
+	if err := ValidateIdleFreezeSecs(spec.IdleFreezeSecs); err != nil {
 		return nil, err
 	}
 	if spec.IDs != nil && len(spec.IDs) != spec.N {
@@ -236,6 +242,7 @@ func (e *Engine) forkOne(ctx context.Context, snap *snapshot.Snapshot, spec Fork
 		Extra:    spec.Extra,
 
 		OnUnresponsive: spec.OnUnresponsive,
+		IdleFreezeSecs: spec.IdleFreezeSecs,
 		Batch:          spec.batch,
 	}
 	if spec.Limits != nil {

@@ -132,7 +132,8 @@ func (e *Engine) isolate(ctx context.Context, sb *state.Sandbox, ns *NetSpec) (l
 // namespace lives on while a process is inside).
 func (e *Engine) release(ctx context.Context, sb *state.Sandbox) error {
 	var errs []error
-	if sb.Limits != nil && e.cfg.Cgroups != nil {
+	// A sandbox without limits has a cgroup too once it was frozen.
+	if e.cfg.Cgroups != nil {
 		if g, err := e.cfg.Cgroups.Open(sb.ID); err == nil {
 			errs = append(errs, g.Destroy())
 		} else if !errdefs.IsNotFound(err) {

@@ -42,6 +42,9 @@ func (e *Engine) Kill(ctx context.Context, id string) error {
 // stop ends a sandbox's VMM (if it still runs) and releases everything
 // else it holds (cgroup, network slot, run dir).
 func (e *Engine) stop(ctx context.Context, sb *state.Sandbox) error {
+	if err := e.forgetIdle(sb.ID); err != nil {
+		return err
+	}
 	if h := sb.Handle; h.Process.PID != 0 {
 		if err := proc.Kill(ctx, h.Process); err != nil {
 			return err
@@ -93,6 +96,7 @@ func (e *Engine) List(ctx context.Context) ([]*state.Sandbox, error) {
 			continue
 		}
 		e.refresh(sb)
+		e.showFrozen(sb)
 		list = append(list, sb)
 	}
 	return list, nil
@@ -108,6 +112,7 @@ func (e *Engine) Get(ctx context.Context, id string) (*state.Sandbox, error) {
 		return nil, err
 	}
 	e.refresh(sb)
+	e.showFrozen(sb)
 	return sb, nil
 }
 

@@ -107,6 +107,13 @@ func (e *Engine) Reconcile(ctx context.Context) (*ReconcileReport, error) {
 			owned[sb.Handle.RunDir] = true
 			owners[sb.Handle.Process] = true
 			rep.Adopted = append(rep.Adopted, sb.ID)
+			// A daemon that died holding it frozen leaves it frozen, and
+			// a frozen VMM answers no QMP: thaw it first.
+			if e.cfg.Cgroups != nil {
+				if err := e.cfg.Cgroups.Thaw(sb.ID); err != nil {
+					e.log.Warn("thaw adopted sandbox", "sandbox", sb.ID, "err", err)
+				}
+			}
 			// A crash in the middle of a branch leaves its source paused:
 			// every adopted VM runs again (resuming one that runs is a
 			// no-op).
@@ -362,9 +369,9 @@ func (e *Engine) reclaimIsolation(ctx context.Context) error {
 		if sb.Net != nil {
 			slots[sb.Net.Slot] = true
 		}
-		if sb.Limits != nil {
-			groups[sb.ID] = true
-		}
+		// Every live sandbox may have a cgroup: its limits', or the
+		// freezer's.
+		groups[sb.ID] = true
 	}
 	var errs []error
 	if e.cfg.Net != nil {

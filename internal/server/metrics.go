@@ -83,7 +83,20 @@ func newMetrics(s *Server, reg *prometheus.Registry) *metrics {
 		}
 		return float64(n)
 	})
+	frozen := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name: "forkd_sandboxes_frozen", Help: "Sandboxes frozen while idle (serve --idle-freeze).",
+	}, func() float64 { return float64(s.e.FreezeStats().Frozen) })
+	freezes := prometheus.NewCounterFunc(prometheus.CounterOpts{
+		Name: "forkd_sandbox_freezes_total", Help: "Idle sandboxes frozen.",
+	}, func() float64 { return float64(s.e.FreezeStats().Freezes) })
+	wakes := prometheus.NewCounterFunc(prometheus.CounterOpts{
+		Name: "forkd_sandbox_wakes_total", Help: "Frozen sandboxes woken by a request or inbound traffic.",
+	}, func() float64 { return float64(s.e.FreezeStats().Wakes) })
+	wakeTime := prometheus.NewCounterFunc(prometheus.CounterOpts{
+		Name: "forkd_sandbox_wake_seconds_total", Help: "Time wakes took, from the request to the guest's clock set (mean: divide by forkd_sandbox_wakes_total).",
+	}, func() float64 { return s.e.FreezeStats().WakeSeconds })
 	reg.MustRegister(m.requests, m.latency, m.inFlight, m.created, m.failed, m.rejected, m.expired, m.events, m.readyTime, live, snaps, unresponsive, bodies,
+		frozen, freezes, wakes, wakeTime,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	m.handler = promhttp.HandlerFor(reg, promhttp.HandlerOpts{})
 	return m

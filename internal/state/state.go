@@ -35,13 +35,19 @@ const (
 	// answering (a liveness ping went unanswered); it turns running again
 	// when the agent answers.
 	StatusUnresponsive = "unresponsive"
-	StatusDead         = "dead"
-	StatusOOM          = "oom"
+	// StatusFrozen is a running sandbox whose VMM the daemon froze while
+	// nobody talked to it. It is never stored (the record says running):
+	// the daemon's Get and List show it.
+	StatusFrozen = "frozen"
+	StatusDead   = "dead"
+	StatusOOM    = "oom"
 )
 
 // Live reports whether a sandbox in status is up: running, or running but
-// unresponsive.
-func Live(status string) bool { return status == StatusRunning || status == StatusUnresponsive }
+// unresponsive or frozen.
+func Live(status string) bool {
+	return status == StatusRunning || status == StatusUnresponsive || status == StatusFrozen
+}
 
 // Sandbox is the persisted record of one sandbox.
 type Sandbox struct {
@@ -70,6 +76,10 @@ type Sandbox struct {
 	// "keep" (mark it, keep it for inspection) or "kill"; "" follows the
 	// engine's default.
 	OnUnresponsive string `json:"on_unresponsive,omitempty"`
+	// IdleFreezeSecs is how long the sandbox may go without a request or
+	// inbound traffic before the daemon freezes it: 0 follows the
+	// daemon's --idle-freeze, -1 never.
+	IdleFreezeSecs int `json:"idle_freeze_secs,omitempty"`
 	// Extra holds records owned by other packages, keyed by package.
 	Extra map[string]json.RawMessage `json:"extra,omitempty"`
 }

@@ -1,0 +1,365 @@
+package sandbox
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/forkd/forkd/internal/agent"
+	"github.com/forkd/forkd/internal/agent/proto"
+	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/proc"
+	"github.com/forkd/forkd/internal/state"
+)
+
+// Idle freezing (daemon mode): a running sandbox that has had no request
+// in flight, no request and no inbound network traffic for its idle time
+// is frozen whole (its VMM's tasks stop in the cgroup freezer: no CPU, no
+// wake-ups), and thawed by the next request of any kind before that
+// request reaches the guest, or by inbound traffic within IdlePoll. After
+// a thaw the guest is told the time. A frozen sandbox keeps its memory,
+// its TTL (the expirer kills it frozen or not) and its network.
+
+// DefaultIdleFreeze is forkd serve's --idle-freeze default.
+const DefaultIdleFreeze = 10 * time.Second
+
+// MaxIdleFreezeSecs bounds a sandbox's own idle-freeze time.
+const MaxIdleFreezeSecs = 86400
+
+// IdlePoll is how often the idle watch looks at the sandboxes' traffic
+// and idle times: inbound traffic wakes a frozen sandbox within it.
+const IdlePoll = 100 * time.Millisecond
+
+// idleRescan is how often the idle watch reloads the list of sandboxes.
+const idleRescan = 2 * time.Second
+
+// ValidateIdleFreezeSecs checks a sandbox's own idle-freeze time.
+func ValidateIdleFreezeSecs(secs int) error {
+	if secs < -1 || secs > MaxIdleFreezeSecs {
+		return errdefs.InvalidArgument("idle_freeze_secs = %d: want 1 to %d, 0 (the daemon's --idle-freeze) or -1 (never)", secs, MaxIdleFreezeSecs)
+	}
+	return nil
+}
+
+// FreezeStats count the idle watch's work since the engine started.
+type FreezeStats struct {
+	Frozen  int   `json:"frozen"`  // sandboxes frozen now
+	Freezes int64 `json:"freezes"` // freezes done
+	Wakes   int64 `json:"wakes"`   // thaws done for a request or traffic
+	// WakeSeconds is the sum of the wakes' latencies (thaw and clock
+	// resync), for a mean.
+	WakeSeconds float64 `json:"wake_seconds"`
+}
+
+// idleState is what the idle watch knows of one sandbox.
+type idleState struct {
+	last    time.Time     // last request, or inbound traffic
+	busy    int           // requests holding it awake
+	after   time.Duration // its idle time; 0: never frozen
+	pid     proc.Identity
+	slot    int // network slot, -1 for none
+	inbound uint64
+	frozen  bool
+	// resync is set by a thaw: the next client of the sandbox tells the
+	// guest the time first.
+	resync bool
+}
+
+// idler holds the idle state of the daemon's sandboxes.
+type idler struct {
+	mu    sync.Mutex            // guards m, stats
+	m     map[string]*idleState // by sandbox id
+	stats FreezeStats
+	locks keyedLocks // serialise freeze and thaw of a sandbox
+}
+
+// canFreeze reports whether the engine freezes idle sandboxes.
+func (e *Engine) canFreeze() bool {
+	return e.cfg.Daemon && e.cfg.IdleFreeze > 0 && e.cfg.Cgroups != nil && e.cfg.Cgroups.CanFreeze()
+}
+
+// idleTime is sb's idle time before a freeze; 0 for never.
+func (e *Engine) idleTime(sb *state.Sandbox) time.Duration {
+	switch {
+	case sb.IdleFreezeSecs < 0:
+		return 0
+	case sb.IdleFreezeSecs > 0:
+		return time.Duration(sb.IdleFreezeSecs) * time.Second
+	}
+	return e.cfg.IdleFreeze
+}
+
+// FreezeStats returns the idle watch's counters.
+func (e *Engine) FreezeStats() FreezeStats {
+	e.idle.mu.Lock()
+	defer e.idle.mu.Unlock()
+	s := e.idle.stats
+	for _, st := range e.idle.m {
+		if st.frozen {
+			s.Frozen++
+		}
+	}
+	return s
+}
+
+// isFrozen reports whether the daemon froze sandbox id.
+func (e *Engine) isFrozen(id string) bool {
+	e.idle.mu.Lock()
+	defer e.idle.mu.Unlock()
+	st := e.idle.m[id]
+	return st != nil && st.frozen
+}
+
+// showFrozen makes a running sandbox the daemon froze show as frozen.
+func (e *Engine) showFrozen(sb *state.Sandbox) {
+	if sb.Status == state.StatusRunning && e.isFrozen(sb.ID) {
+		sb.Status = state.StatusFrozen
+	}
+}
+
+// hold keeps sandbox id awake until the returned release: it thaws it if
+// it was frozen and counts it busy, so that the idle watch leaves it
+// alone. resync reports that the guest was frozen since its client last
+// told it the time.
+func (e *Engine) hold(id string) (release func(), resync bool, err error) {
+	if !e.canFreeze() {
+		return func() {}, false, nil
+	}
+	unlock := e.idle.locks.lock(id)
+	defer unlock()
+	e.idle.mu.Lock()
+	st := e.idle.m[id]
+	if st == nil {
+		st = &idleState{slot: -1}
+		e.idle.m[id] = st
+	}
+	st.busy++
+	st.last = time.Now()
+	frozen := st.frozen
+	e.idle.mu.Unlock()
+	release = func() {
+		e.idle.mu.Lock()
+		if st.busy--; st.busy == 0 {
+			st.last = time.Now()
+		}
+		e.idle.mu.Unlock()
+	}
+	if frozen {
+		if err := e.thaw(id, st); err != nil {
+			release()
+			return nil, false, err
+		}
+	}
+	e.idle.mu.Lock()
+	resync, st.resync = st.resync, false
+	e.idle.mu.Unlock()
+	return release, resync, nil
+}
+
+// thaw thaws sandbox id's VMM. Called with id's lock in e.idle.locks
+// held.
+func (e *Engine) thaw(id string, st *idleState) error {
+	if err := e.cfg.Cgroups.Thaw(id); err != nil {
+		return fmt.Errorf("wake sandbox %s: %w", id, err)
+	}
+	e.idle.mu.Lock()
+	st.frozen, st.resync = false, true
+	e.idle.stats.Wakes++
+	e.idle.mu.Unlock()
+	return nil
+}
+
+// woken tells a guest that was frozen the time and counts the wake's
+// latency, from start (the request's arrival) to now.
+func (e *Engine) woken(ctx context.Context, id string, c *agent.Client, start time.Time) {
+	ictx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	if err := c.Init(ictx, proto.InitRequest{Time: time.Now()}); err != nil {
+		e.log.Warn("set the clock of a woken sandbox", "sandbox", id, "err", err)
+	}
+	d := time.Since(start)
+	e.idle.mu.Lock()
+	e.idle.stats.WakeSeconds += d.Seconds()
+	e.idle.mu.Unlock()
+	e.log.Debug("sandbox woken", "sandbox", id, "ms", d.Milliseconds())
+}
+
+// forgetIdle drops sandbox id from the idle watch, thawing its VMM first
+// if it was frozen (a task frozen by cgroup v1 ignores SIGKILL).
+func (e *Engine) forgetIdle(id string) error {
+	if e.cfg.Cgroups == nil || !e.cfg.Cgroups.CanFreeze() {
+		return nil
+	}
+	defer e.idle.locks.lock(id)()
+	e.idle.mu.Lock()
+	delete(e.idle.m, id)
+	e.idle.mu.Unlock()
+	return e.cfg.Cgroups.Thaw(id)
+}
+
+// RunIdle freezes idle sandboxes and wakes frozen ones that get inbound
+// traffic, until ctx ends; then it thaws every sandbox it froze, so that
+// commands without the daemon find them running. Without a freezer (no
+// root, no cgroup freezer) or with Config.IdleFreeze 0 it returns at once.
+func (e *Engine) RunIdle(ctx context.Context) {
+	if !e.canFreeze() {
+		if e.cfg.Daemon && e.cfg.IdleFreeze > 0 {
+			e.log.Warn("idle sandboxes are not frozen: this host has no cgroup freezer forkd can use (root and cgroup v1 freezer or v2)")
+		}
+		return
+	}
+	defer e.thawAll()
+	tick := time.NewTicker(IdlePoll)
+	defer tick.Stop()
+	var scanned time.Time
+	for {
+		if time.Since(scanned) >= idleRescan {
+			e.rescanIdle()
+			scanned = time.Now()
+		}
+		e.idleTick()
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		}
+	}
+}
+
+// rescanIdle brings the idle watch's list in line with the state store:
+// running sandboxes join it, gone ones leave it.
+func (e *Engine) rescanIdle() {
+	list, err := e.state.List()
+	if err != nil {
+		e.log.Warn("idle watch: list sandboxes", "err", err)
+		return
+	}
+	now := time.Now()
+	seen := map[string]bool{}
+	e.idle.mu.Lock()
+	defer e.idle.mu.Unlock()
+	for _, sb := range list {
+		if sb.Status != state.StatusRunning {
+			continue
+		}
+		seen[sb.ID] = true
+		st := e.idle.m[sb.ID]
+		if st == nil {
+			st = &idleState{last: now, slot: -1}
+			e.idle.m[sb.ID] = st
+		}
+		st.after, st.pid = e.idleTime(sb), sb.Handle.Process
+		if sb.Net != nil && e.cfg.Net != nil {
+			st.slot = sb.Net.Slot
+		}
+	}
+	for id, st := range e.idle.m {
+		// A sandbox held by a request may not be recorded yet.
+		if !seen[id] && !st.frozen && st.busy == 0 {
+			delete(e.idle.m, id)
+		}
+	}
+}
+
+// idleTick wakes frozen sandboxes with new inbound traffic and freezes the
+// running ones idle for their time.
+func (e *Engine) idleTick() {
+	now := time.Now()
+	var freeze, wake []string
+	e.idle.mu.Lock()
+	for id, st := range e.idle.m {
+		if st.slot >= 0 {
+			if n, err := e.cfg.Net.Inbound(st.slot); err == nil && n != st.inbound {
+				st.inbound = n
+				st.last = now
+				if st.frozen {
+					wake = append(wake, id)
+				}
+				continue
+			}
+		}
+		if !st.frozen && st.busy == 0 && st.after > 0 && st.pid.PID != 0 && now.Sub(st.last) >= st.after {
+			freeze = append(freeze, id)
+		}
+	}
+	e.idle.mu.Unlock()
+	for _, id := range wake {
+		// Through Agent, which thaws and sets the guest's clock; the
+		// packets wait in the tap meanwhile.
+		go func() {
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			if _, release, err := e.Agent(ctx, id); err != nil {
+				e.log.Warn("idle watch: wake on traffic", "sandbox", id, "err", err)
+			} else {
+				release()
+			}
+		}()
+	}
+	for _, id := range freeze {
+		if err := e.freeze(id); err != nil {
+			e.log.Warn("idle watch: freeze", "sandbox", id, "err", err)
+		}
+	}
+}
+
+// freeze freezes sandbox id if it is still idle.
+func (e *Engine) freeze(id string) error {
+	defer e.idle.locks.lock(id)()
+	e.idle.mu.Lock()
+	st := e.idle.m[id]
+	if st == nil || st.frozen || st.busy > 0 || time.Since(st.last) < st.after {
+		e.idle.mu.Unlock()
+		return nil
+	}
+	pid := st.pid
+	e.idle.mu.Unlock()
+	// A calling client would wait on a frozen guest: freeze only a
+	// sandbox whose daemon client has nothing pending.
+	if c := e.cachedClient(id); c != nil && c.Pending() > 0 {
+		return nil
+	}
+	// The pid is the VMM's only while its start time matches, before and
+	// after it moves into the freezer.
+	if !proc.Alive(pid) {
+		return nil
+	}
+	if err := e.cfg.Cgroups.Freeze(id, pid.PID); err != nil {
+		return err
+	}
+	if !proc.Alive(pid) {
+		return errors.Join(errdefs.NotFound("sandbox %s: its VMM went away while it was frozen", id), e.cfg.Cgroups.Thaw(id))
+	}
+	e.idle.mu.Lock()
+	st.frozen = true
+	e.idle.stats.Freezes++
+	e.idle.mu.Unlock()
+	e.log.Debug("sandbox frozen", "sandbox", id)
+	return nil
+}
+
+// thawAll thaws every sandbox the idle watch froze.
+func (e *Engine) thawAll() {
+	e.idle.mu.Lock()
+	var ids []string
+	for id, st := range e.idle.m {
+		if st.frozen {
+			ids = append(ids, id)
+		}
+	}
+	e.idle.mu.Unlock()
+	for _, id := range ids {
+		unlock := e.idle.locks.lock(id)
+		if err := e.cfg.Cgroups.Thaw(id); err != nil {
+			e.log.Warn("thaw at shutdown", "sandbox", id, "err", err)
+		}
+		e.idle.mu.Lock()
+		if st := e.idle.m[id]; st != nil {
+			st.frozen = false
+		}
+		e.idle.mu.Unlock()
+		unlock()
+	}
+}

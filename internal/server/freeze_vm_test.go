@@ -1,0 +1,241 @@
+package server
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	apiv1 "github.com/forkd/forkd/api/v1"
+	"github.com/forkd/forkd/internal/cgroup"
+	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/sandbox"
+	"github.com/forkd/forkd/internal/testutil"
+	"github.com/forkd/forkd/internal/testvm"
+)
+
+// TestIdleFreezeVM: a daemon with --idle-freeze 1s freezes idle children
+// (their VMM takes no CPU), and a frozen child answers exec, files, eval
+// and a request on a published port as if it had never stopped, with its
+// clock right; a TTL expires a frozen child, and killing one leaves
+// nothing (a task frozen by the v1 freezer ignores SIGKILL until thawed).
+func TestIdleFreezeVM(t *testing.T) {
+	testvm.Require(t)
+	testutil.RequireRoot(t) // the cgroup freezer and per-child networks
+	var cm *cgroup.Manager
+	d := startDaemon(t, testvm.Backend(t), sandbox.Admission{MaxSandboxes: 10}, func(ec *sandbox.Config, _ *Config) {
+		ec.CacheDir = testvm.CacheDir(t)
+		ec.AgentPath = testvm.AgentBinary(t)
+		ec.VMMUser = testvm.VMMUser()
+		ec.IdleFreeze = time.Second
+		var err error
+		if ec.Net, ec.Cgroups, err = sandbox.HostIsolation(ec.DataDir, ec.Logger); err != nil {
+			t.Fatal(err)
+		}
+		cm = ec.Cgroups
+	})
+	if cm == nil || !cm.CanFreeze() {
+		t.Fatal("no cgroup freezer on this host (root with cgroup v1 freezer or v2 needed)")
+	}
+	ictx, stopIdle := context.WithCancel(context.Background())
+	idleDone := make(chan struct{})
+	go func() { defer close(idleDone); d.e.RunIdle(ictx) }()
+	t.Cleanup(func() { stopIdle(); <-idleDone })
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
+	defer cancel()
+	c := d.tcp
+
+	network := true
+	op, err := c.CreateSnapshot(ctx, apiv1.CreateSnapshotRequest{Tag: "py", Image: "python", MemoryMiB: 256, Network: &network})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if op, err = c.WaitOperation(ctx, op.ID); err != nil || op.Status != apiv1.OperationSucceeded {
+		t.Fatalf("snapshot: %+v %v", op, err)
+	}
+	res, err := c.CreateSandboxes(ctx, apiv1.CreateSandboxesRequest{SnapshotTag: "py", N: 2,
+		Network: &apiv1.NetworkSpec{Publish: []int{8000}}})
+	if err != nil || len(res.Sandboxes) != 2 {
+		t.Fatalf("create: %+v %v", res, err)
+	}
+	sb, other := res.Sandboxes[0], res.Sandboxes[1]
+	id := sb.ID
+	if _, err := c.StartProcess(ctx, id, apiv1.StartProcessRequest{ExecRequest: apiv1.ExecRequest{
+		Shell: "echo frozen-ok > /tmp/index.html && exec python3 -m http.server 8000 -d /tmp"}}); err != nil {
+		t.Fatal(err)
+	}
+	url := fmt.Sprintf("http://127.0.0.1:%d/index.html", sb.Network.Ports[0].HostPort)
+	// The server is up once it answers (the child is awake meanwhile).
+	for deadline := time.Now().Add(2 * time.Minute); ; {
+		if body, err := get(ctx, url); err == nil && body == "frozen-ok\n" {
+			break
+		} else if time.Now().After(deadline) {
+			t.Fatalf("the guest's HTTP server never answered: %q %v", body, err)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+
+	// frozen waits until the daemon shows id frozen, then checks that its
+	// VMM takes no CPU.
+	frozen := func(t *testing.T, id string) {
+		t.Helper()
+		for deadline := time.Now().Add(30 * time.Second); ; {
+			s, err := c.GetSandbox(ctx, id)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if s.Status == apiv1.SandboxFrozen {
+				a := cpuTicks(t, s.PID)
+				time.Sleep(time.Second)
+				if b := cpuTicks(t, s.PID); b != a {
+					t.Errorf("frozen VMM %d took %d ticks of CPU in a second", s.PID, b-a)
+				}
+				return
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("sandbox %s is still %s", id, s.Status)
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+	}
+	// awake runs one request against a frozen child, which must answer
+	// within a few seconds, and then be running.
+	awake := func(t *testing.T, what string, f func(ctx context.Context) error) {
+		t.Helper()
+		frozen(t, id)
+		qctx, cancel := context.WithTimeout(ctx, 20*time.Second)
+		defer cancel()
+		start := time.Now()
+		err := f(qctx)
+		t.Logf("%s on a frozen child: %v in %v", what, err, time.Since(start).Round(time.Millisecond))
+		if err != nil {
+			t.Fatalf("%s: %v", what, err)
+		}
+		if s, err := c.GetSandbox(ctx, id); err != nil || s.Status != apiv1.SandboxRunning {
+			t.Errorf("after %s: %+v %v", what, s, err)
+		}
+	}
+
+	t.Run("exec", func(t *testing.T) {
+		awake(t, "exec", func(ctx context.Context) error {
+			r, err := c.Exec(ctx, id, apiv1.ExecRequest{Args: []string{"echo", "hi"}})
+			if err == nil && r.Stdout != "hi\n" {
+				err = fmt.Errorf("stdout %q", r.Stdout)
+			}
+			return err
+		})
+	})
+	t.Run("clock", func(t *testing.T) {
+		frozen(t, id)
+		time.Sleep(3 * time.Second) // frozen a while longer
+		awake(t, "clock", func(ctx context.Context) error {
+			r, err := c.Exec(ctx, id, apiv1.ExecRequest{Args: []string{"date", "+%s"}})
+			if err != nil {
+				return err
+			}
+			guest, err := strconv.ParseInt(strings.TrimSpace(r.Stdout), 10, 64)
+			if err != nil {
+				return err
+			}
+			if skew := time.Now().Unix() - guest; skew < -2 || skew > 2 {
+				return fmt.Errorf("guest clock %d, host %d: %d s off", guest, time.Now().Unix(), skew)
+			}
+			return nil
+		})
+	})
+	t.Run("files", func(t *testing.T) {
+		awake(t, "write", func(ctx context.Context) error {
+			_, err := c.WriteFile(ctx, id, "/tmp/f", strings.NewReader("kept"), 0o644)
+			return err
+		})
+		awake(t, "read", func(ctx context.Context) error {
+			var b strings.Builder
+			_, err := c.ReadFile(ctx, id, "/tmp/f", &b)
+			if err == nil && b.String() != "kept" {
+				err = fmt.Errorf("read %q", b.String())
+			}
+			return err
+		})
+	})
+	t.Run("eval", func(t *testing.T) {
+		awake(t, "eval", func(ctx context.Context) error {
+			r, err := c.Eval(ctx, id, apiv1.EvalRequest{Code: "6 * 7"})
+			if err == nil && r.Value != "42" {
+				err = fmt.Errorf("eval %+v", r)
+			}
+			return err
+		})
+	})
+	t.Run("published port", func(t *testing.T) {
+		awake(t, "GET", func(ctx context.Context) error {
+			body, err := get(ctx, url)
+			if err == nil && body != "frozen-ok\n" {
+				err = fmt.Errorf("body %q", body)
+			}
+			return err
+		})
+	})
+	t.Run("metrics", func(t *testing.T) {
+		st := d.e.FreezeStats()
+		if st.Freezes < 6 || st.Wakes < 6 || st.WakeSeconds <= 0 {
+			t.Errorf("freeze stats %+v after six wakes", st)
+		}
+		t.Logf("freeze stats %+v: mean wake %.0f ms", st, 1000*st.WakeSeconds/float64(st.Wakes))
+	})
+	t.Run("ttl", func(t *testing.T) {
+		frozen(t, other.ID)
+		s, err := c.SetTimeout(ctx, other.ID, time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		waitGone(t, ctx, d, other.ID, s.ExpiresAt.Add(10*time.Second))
+		if _, err := cm.Open(other.ID); !errdefs.IsNotFound(err) {
+			t.Errorf("cgroup of the expired child: %v", err)
+		}
+	})
+	t.Run("kill", func(t *testing.T) {
+		frozen(t, id)
+		if err := c.DeleteSandbox(ctx, id); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := cm.Open(id); !errdefs.IsNotFound(err) {
+			t.Errorf("cgroup of the killed child: %v", err)
+		}
+		assertNoLeak(t, d)
+	})
+}
+
+// get GETs url and returns its body.
+func get(ctx context.Context, url string) (string, error) {
+	req, err := http.NewRequestWithContext(ctx, "GET", url, nil)
+	if err != nil {
+		return "", err
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return "", err
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	return string(b), err
+}
+
+// cpuTicks is the user and system CPU time process pid has taken.
+func cpuTicks(t *testing.T, pid int) int64 {
+	t.Helper()
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Fields after the command's closing parenthesis; utime and stime
+	// are the 14th and 15th of the line.
+	f := strings.Fields(string(b[strings.LastIndexByte(string(b), ')')+2:]))
+	u, _ := strconv.ParseInt(f[11], 10, 64)
+	s, _ := strconv.ParseInt(f[12], 10, 64)
+	return u + s
+}

@@ -114,6 +114,12 @@ func (m *Manager) Create(ctx context.Context, slot int, p Policy) (_ *Net, err e
 	if err := m.writeSysctl("net/ipv4/conf/"+n.HostLink+"/route_localnet", "1"); err != nil {
 		return nil, wrap(stepHostAddr, err)
 	}
+	// IPv4 only, as inside: without IPv6 the host sends nothing of its
+	// own on the link (router solicitations, MLD), so every packet it
+	// sends there is traffic for the guest (Inbound).
+	if err := m.writeSysctl("net/ipv6/conf/"+n.HostLink+"/disable_ipv6", "1"); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return nil, wrap(stepHostAddr, err)
+	}
 	if err := addAddrUp(nil, n.HostLink, netip.PrefixFrom(n.HostAddr, 30)); err != nil {
 		return nil, wrap(stepHostAddr, err)
 	}

@@ -159,12 +159,8 @@ func Run(ctx context.Context, e *sandbox.Engine, o Options) (*Result, error) {
 	if o.Progress == nil {
 		o.Progress = io.Discard
 	}
-	say := func(format string, args ...any) { fmt.Fprintf(o.Progress, "bench: "+format+"\n", args...) }
-	be := e.Backend()
-	r := &Result{Machine: DescribeHost(), N: o.N, Image: o.Image}
-	r.Machine.Backend = be.Name()
-	r.Machine.Version, _ = be.Version(ctx)
-	r.Machine.Accelerator = be.Capabilities().Accelerator
+	say := progress(o.Progress)
+	r := &Result{Machine: DescribeRun(ctx, e.Backend()), N: o.N, Image: o.Image}
 
 	img, err := e.Images().Build(ctx, o.Image)
 	if err != nil {

@@ -3,19 +3,25 @@ package bench
 import (
 	"bufio"
 	"bytes"
+	"context"
+	"fmt"
+	"io"
 	"math"
 	"os"
 	"runtime"
 	"sort"
 	"strconv"
 	"strings"
+
+	"github.com/forkd/forkd/internal/vmm"
 )
 
-// Summary is a sample's median and 90th percentile.
+// Summary is a sample's median, 90th and 99th percentiles.
 type Summary struct {
 	N   int     `json:"n"`
 	P50 float64 `json:"p50"`
 	P90 float64 `json:"p90"`
+	P99 float64 `json:"p99"`
 	Min float64 `json:"min"`
 	Max float64 `json:"max"`
 }
@@ -27,7 +33,7 @@ func Summarize(xs []float64) Summary {
 	}
 	s := append([]float64(nil), xs...)
 	sort.Float64s(s)
-	return Summary{N: len(s), P50: percentile(s, 50), P90: percentile(s, 90), Min: s[0], Max: s[len(s)-1]}
+	return Summary{N: len(s), P50: percentile(s, 50), P90: percentile(s, 90), P99: percentile(s, 99), Min: s[0], Max: s[len(s)-1]}
 }
 
 // percentile returns the nearest-rank p-th percentile of sorted s.
@@ -51,6 +57,15 @@ type Machine struct {
 	Accelerator string `json:"accelerator"`
 }
 
+// DescribeRun describes the host and e's backend.
+func DescribeRun(ctx context.Context, be vmm.Backend) Machine {
+	m := DescribeHost()
+	m.Backend, m.Accelerator = be.Name(), be.Capabilities().Accelerator
+	m.Version, _ = be.Version(ctx)
+	return m
+}
+
+// DescribeHost describes the host.
 func DescribeHost() Machine {
 	m := Machine{Cores: runtime.NumCPU()}
 	if b, err := os.ReadFile("/proc/cpuinfo"); err == nil {
@@ -127,3 +142,11 @@ func cpuTicks(pid int) (int64, error) {
 
 // clockTicks is USER_HZ, 100 on every Linux forkd supports.
 const clockTicks = 100
+
+// progress returns a printf to w for a run's progress lines.
+func progress(w io.Writer) func(format string, args ...any) {
+	if w == nil {
+		w = io.Discard
+	}
+	return func(format string, args ...any) { fmt.Fprintf(w, "bench: "+format+"\n", args...) }
+}

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"runtime"
 	"text/tabwriter"
 	"time"
 
@@ -17,33 +18,23 @@ func newBenchCmd(g *globals) *cobra.Command {
 	var o bench.Options
 	var asJSON, withBranch, branchOnly, withDisk, diskOnly bool
 	var diskImage string
+	var scale int
 	cmd := &cobra.Command{
-		Use:   "bench [-n N] [--json]",
+		Use:   "bench [-n N | --scale N] [--json]",
 		Short: "Measure cold boot vs fork, per-child memory and CPU, exec round trips",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
+			if cmd.Flags().Changed("scale") {
+				return benchScale(cmd, g, bench.ScaleOptions{N: scale, Image: o.Image, MemoryMiB: o.MemoryMiB, IdleFor: o.IdleFor}, asJSON)
+			}
 			if err := o.Validate(); err != nil {
 				return err
 			}
-			// The benchmark works in a data dir of its own (sharing the
-			// image cache), so it never meets the user's sandboxes nor a
-			// daemon holding the main state.
-			dir, err := g.resolveDataDir()
+			e, done, err := openBenchEngine(g, "bench", nil)
 			if err != nil {
 				return err
 			}
-			bg := *g
-			bg.dataDir = filepath.Join(dir, "bench")
-			e, err := bg.openEngine(func(c *sandbox.Config) {
-				if c.CacheDir == "" {
-					c.CacheDir = filepath.Join(dir, "cache")
-				}
-			})
-			if err != nil {
-				return err
-			}
-			defer os.RemoveAll(bg.dataDir)
-			defer e.Close()
+			defer done()
 			o.DataDir = e.Config().DataDir
 			o.Progress = g.stderr
 			if exe, err := os.Executable(); err == nil {
@@ -71,10 +62,7 @@ func newBenchCmd(g *globals) *cobra.Command {
 				r.DiskResult = dr
 			}
 			if only {
-				r.Machine, r.Image = bench.DescribeHost(), o.Image
-				be := e.Backend()
-				r.Machine.Backend, r.Machine.Accelerator = be.Name(), be.Capabilities().Accelerator
-				r.Machine.Version, _ = be.Version(cmd.Context())
+				r.Machine, r.Image = bench.DescribeRun(cmd.Context(), e.Backend()), o.Image
 			}
 			if asJSON {
 				return writeJSON(g.stdout, r)
@@ -96,6 +84,7 @@ func newBenchCmd(g *globals) *cobra.Command {
 	f.BoolVar(&withDisk, "disk", false, "also measure the writable disk: a fork of n with and without --disk-mib, a branch with a 64 MiB dirty disk vs none")
 	f.BoolVar(&diskOnly, "disk-only", false, "measure the writable disk only (with --branch-only: both)")
 	f.StringVar(&diskImage, "disk-image", "python", "image the disk is measured on (one with a root file system)")
+	f.IntVar(&scale, "scale", 0, fmt.Sprintf("instead: fork this many children in one call through a daemon's engine (pool, idle freezing) and measure them all, 1 to %d", bench.MaxScale))
 	return cmd
 }
 
@@ -187,4 +176,71 @@ func printDisk(g *globals, r *bench.Result) {
 		d.Pause.P50, d.PauseDisk.P50, d.DirtyMiB, d.DiskSwitch.P50)
 	fmt.Fprintf(g.stdout, "  layers: memory %.1f MiB without a disk, %.1f MiB with; disk layer %.1f MiB; total %.0f / %.0f ms\n",
 		d.MemLayerMiB, d.MemLayerDisk, d.DiskLayerMiB, d.TotalMS, d.TotalDiskMS)
+}
+
+// benchScale runs forkd bench --scale: like the daemon, with its pool and
+// its idle watch (idle time 1 s), in a data dir of its own.
+func benchScale(cmd *cobra.Command, g *globals, o bench.ScaleOptions, asJSON bool) error {
+	if err := o.Validate(); err != nil {
+		return err
+	}
+	e, done, err := openBenchEngine(g, "bench-scale", func(c *sandbox.Config) {
+		c.Daemon = true
+		c.Pool = min(2*runtime.NumCPU(), maxServePool)
+		c.MaxChildren = max(o.N, sandbox.DefaultMaxChildren)
+		c.IdleFreeze = time.Second
+	})
+	if err != nil {
+		return err
+	}
+	defer done()
+	o.Progress = g.stderr
+	r, err := bench.RunScale(cmd.Context(), e, o)
+	if err != nil {
+		return err
+	}
+	if asJSON {
+		return writeJSON(g.stdout, r)
+	}
+	m := r.Machine
+	fmt.Fprintf(g.stdout, "machine: %s, %d cores, %d MiB; %s %s (%s); image %s; network %v; pool %d; load %.1f → %.1f\n",
+		m.CPUModel, m.Cores, m.MemoryMiB, m.Backend, m.Version, m.Accelerator, r.Image, r.Network, r.Pool, r.Load1Before, r.Load1After)
+	fmt.Fprintf(g.stdout, "fork %d in one call: %.1f s wall, ready p50 %.0f ms p90 %.0f ms, %d failed\n",
+		r.N, r.ForkWallMS/1000, r.ForkReady.P50, r.ForkReady.P90, r.ForkFailed)
+	fmt.Fprintf(g.stdout, "idle CPU of all: %.2f cores (%.0f wake-ups/s per child); frozen (%d): %.3f cores (%.1f wake-ups/s per child)\n",
+		r.IdleCPUCores, r.IdleWakeupsPerSecPerChild, r.Frozen, r.FrozenCPUCores, r.FrozenWakeupsPerSecChild)
+	fmt.Fprintf(g.stdout, "private memory per child: p50 %.1f MiB, p90 %.1f MiB\n", r.ChildPrivateMiB.P50, r.ChildPrivateMiB.P90)
+	fmt.Fprintf(g.stdout, "exec over all, each woken: p50 %.0f ms, p90 %.0f ms, p99 %.0f ms, %d failed (mean wake %.0f ms)\n",
+		r.ExecRoundtrip.P50, r.ExecRoundtrip.P90, r.ExecRoundtrip.P99, r.ExecFailed, r.MeanWakeMS)
+	fmt.Fprintf(g.stdout, "exec again, awake: p50 %.0f ms, p90 %.0f ms, p99 %.0f ms\n", r.ExecAwake.P50, r.ExecAwake.P90, r.ExecAwake.P99)
+	fmt.Fprintf(g.stdout, "kill all: %.1f s\n", r.KillAllMS/1000)
+	return nil
+}
+
+// openBenchEngine opens an engine on a data dir of its own, sub below the
+// user's (sharing the image cache), so that a benchmark never meets the
+// user's sandboxes nor a daemon holding the main state. done closes it and
+// removes the dir.
+func openBenchEngine(g *globals, sub string, tune func(*sandbox.Config)) (e *sandbox.Engine, done func(), err error) {
+	dir, err := g.resolveDataDir()
+	if err != nil {
+		return nil, nil, err
+	}
+	bg := *g
+	bg.dataDir = filepath.Join(dir, sub)
+	e, err = bg.openEngine(func(c *sandbox.Config) {
+		if c.CacheDir == "" {
+			c.CacheDir = filepath.Join(dir, "cache")
+		}
+		if tune != nil {
+			tune(c)
+		}
+	})
+	if err != nil {
+		return nil, nil, err
+	}
+	return e, func() {
+		e.Close()
+		os.RemoveAll(bg.dataDir)
+	}, nil
 }

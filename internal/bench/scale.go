@@ -1,0 +1,325 @@
+package bench
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/forkd/forkd/internal/agent"
+	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/image"
+	"github.com/forkd/forkd/internal/sandbox"
+)
+
+// ScaleOptions configure RunScale.
+type ScaleOptions struct {
+	N         int
+	Image     string
+	MemoryMiB int
+	IdleFor   time.Duration // how long idle CPU is sampled, each time
+	Progress  io.Writer
+}
+
+// MaxScale is the most children RunScale forks.
+const MaxScale = 1000
+
+// Validate checks o's fields.
+func (o *ScaleOptions) Validate() error {
+	if o.N < 1 || o.N > MaxScale {
+		return errdefs.InvalidArgument("--scale %d: want 1 to %d", o.N, MaxScale)
+	}
+	if o.MemoryMiB < sandbox.MinMemoryMiB || o.MemoryMiB > sandbox.MaxMemoryMiB {
+		return errdefs.InvalidArgument("--mem-size-mib %d: want %d to %d", o.MemoryMiB, sandbox.MinMemoryMiB, sandbox.MaxMemoryMiB)
+	}
+	if o.IdleFor < MinIdle || o.IdleFor > MaxIdle {
+		return errdefs.InvalidArgument("--idle %v: want %v to %v", o.IdleFor, MinIdle, MaxIdle)
+	}
+	if err := image.ValidateName(o.Image); err != nil {
+		return fmt.Errorf("--image: %w", err)
+	}
+	return nil
+}
+
+// ScaleResult is the JSON `forkd bench --scale N --json` prints. Keys only
+// get added.
+type ScaleResult struct {
+	Machine Machine `json:"machine"`
+	N       int     `json:"n"`
+	Image   string  `json:"image"`
+	// Network: every child in its own network namespace (as root).
+	Network bool `json:"network"`
+	Pool    int  `json:"pool"`
+	// Load1Before and Load1After are the host's 1-minute load average
+	// before the fork and before the kill (other work on the host shows
+	// here).
+	Load1Before float64 `json:"load1_before"`
+	Load1After  float64 `json:"load1_after"`
+
+	ForkWallMS float64 `json:"fork_wall_ms"`
+	ForkReady  Summary `json:"fork_ready_ms"`
+	ForkFailed int     `json:"fork_failed"`
+
+	// Idle CPU of all children together, in cores, without freezing and
+	// once the idle watch froze them all; wake-ups are the children's VMM
+	// threads' context switches a second, per child.
+	IdleCPUCores              float64 `json:"idle_cpu_cores"`
+	IdleWakeupsPerSecPerChild float64 `json:"idle_wakeups_per_sec_per_child"`
+	FrozenCPUCores            float64 `json:"frozen_idle_cpu_cores"`
+	FrozenWakeupsPerSecChild  float64 `json:"frozen_wakeups_per_sec_per_child"`
+	// AllFrozenMS is how long after the idle watch started every child
+	// was frozen (idle time 1 s).
+	AllFrozenMS float64 `json:"all_frozen_ms"`
+	Frozen      int     `json:"frozen"`
+
+	ChildPrivateMiB Summary `json:"child_private_mib"`
+
+	// Exec of `true` in every child in turn, each frozen before (its
+	// wake included), through the daemon's engine.
+	ExecRoundtrip Summary `json:"exec_roundtrip_ms"`
+	ExecFailed    int     `json:"exec_failed"`
+	MeanWakeMS    float64 `json:"mean_wake_ms"`
+	// ExecAwake is a second exec in each child right after the first:
+	// the round trip of a child that is awake.
+	ExecAwake Summary `json:"exec_awake_ms"`
+
+	KillAllMS float64 `json:"kill_all_ms"`
+}
+
+// RunScale forks o.N children of a new snapshot in one call with e, which
+// must be a daemon's engine (Config.Daemon, IdleFreeze 1 s, its idle
+// watch not running) so that freezing and the pool are measured too. It
+// kills what it started and removes its snapshot, also on failure.
+func RunScale(ctx context.Context, e *sandbox.Engine, o ScaleOptions) (*ScaleResult, error) {
+	if err := o.Validate(); err != nil {
+		return nil, err
+	}
+	say := progress(o.Progress)
+	cfg := e.Config()
+	r := &ScaleResult{Machine: DescribeRun(ctx, e.Backend()), N: o.N, Image: o.Image, Pool: cfg.Pool,
+		Network: cfg.Net != nil && cfg.Cgroups != nil}
+
+	img, err := e.Images().Build(ctx, o.Image)
+	if err != nil {
+		return nil, err
+	}
+	tag := fmt.Sprintf("bench-scale-%d", os.Getpid())
+	say("snapshot %s", tag)
+	snap, err := e.CreateSnapshot(ctx, sandbox.SnapshotSpec{Tag: tag, Built: img, MemoryMiB: o.MemoryMiB, Network: r.Network})
+	if err != nil {
+		return nil, err
+	}
+	defer func() { cleanupFailed(Options{Progress: o.Progress}, "remove snapshot "+tag, e.RemoveSnapshot(tag)) }()
+	// The measured fork finds a warm page cache and a primed pool, as a
+	// daemon's second fork of a snapshot does.
+	if err := warmFork(ctx, e, sandbox.ForkSpec{Tag: tag, N: 1}); err != nil {
+		return nil, err
+	}
+	if cfg.Pool > 0 {
+		pctx, cancel := context.WithTimeout(ctx, 5*time.Minute)
+		err := e.PrimePool(pctx, tag, cfg.Pool)
+		cancel()
+		if err != nil {
+			return nil, err
+		}
+	}
+
+	r.Load1Before = load1()
+	say("fork %d in one call (load %.1f)", o.N, r.Load1Before)
+	fr, err := e.Fork(ctx, sandbox.ForkSpec{Tag: tag, N: o.N, KeepPartial: true, Metadata: map[string]string{"origin": "bench"}})
+	defer func() {
+		start := time.Now()
+		kctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Minute)
+		defer cancel()
+		_, err := e.KillAll(kctx, tag)
+		cleanupFailed(Options{Progress: o.Progress}, "kill the children of "+tag, err)
+		if r.KillAllMS == 0 {
+			r.KillAllMS = msSince(start)
+		}
+	}()
+	if err != nil && fr == nil {
+		return nil, err
+	}
+	r.ForkWallMS = fr.WallMS
+	var ready []float64
+	var ids []string
+	var pids []int
+	for _, c := range fr.Children {
+		if c.Err != nil {
+			r.ForkFailed++
+			continue
+		}
+		ready = append(ready, c.ReadyMS)
+		ids = append(ids, c.ID)
+		pids = append(pids, c.Sandbox.Handle.Process.PID)
+	}
+	r.ForkReady = Summarize(ready)
+	if len(ids) == 0 {
+		return nil, fmt.Errorf("no child came up: %w", err)
+	}
+
+	say("idle CPU of %d children over %s, not frozen", len(ids), o.IdleFor)
+	time.Sleep(2 * time.Second)
+	if r.IdleCPUCores, r.IdleWakeupsPerSecPerChild, err = idleCost(ctx, pids, o.IdleFor); err != nil {
+		return nil, err
+	}
+	var priv []float64
+	for _, pid := range pids {
+		t, _, err := smapsPrivate(pid, snap.MemoryPath())
+		if err != nil {
+			return nil, err
+		}
+		priv = append(priv, float64(t)/1024)
+	}
+	r.ChildPrivateMiB = Summarize(priv)
+
+	if err := scaleFrozen(ctx, e, ids, pids, o, r, say); err != nil {
+		return nil, err
+	}
+	r.Load1After = load1()
+	say("kill all (load %.1f)", r.Load1After)
+	start := time.Now()
+	kctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Minute)
+	defer cancel()
+	if _, err := e.KillAll(kctx, tag); err != nil {
+		return nil, err
+	}
+	r.KillAllMS = msSince(start)
+	return r, nil
+}
+
+// scaleFrozen runs the engine's idle watch, measures the children once
+// all are frozen, then times an exec in each (waking it).
+func scaleFrozen(ctx context.Context, e *sandbox.Engine, ids []string, pids []int, o ScaleOptions, r *ScaleResult, say func(string, ...any)) error {
+	if e.Config().IdleFreeze <= 0 {
+		return nil
+	}
+	ictx, stop := context.WithCancel(ctx)
+	done := make(chan struct{})
+	go func() { defer close(done); e.RunIdle(ictx) }()
+	defer func() { stop(); <-done }()
+	say("waiting for the idle watch to freeze them")
+	start := time.Now()
+	for e.FreezeStats().Frozen < len(ids) {
+		if time.Since(start) > 2*time.Minute {
+			break
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	r.AllFrozenMS = msSince(start)
+	r.Frozen = e.FreezeStats().Frozen
+	if r.Frozen == 0 {
+		say("nothing was frozen: this host has no cgroup freezer forkd can use")
+		return nil
+	}
+	var err error
+	say("idle CPU of %d frozen children over %s", r.Frozen, o.IdleFor)
+	if r.FrozenCPUCores, r.FrozenWakeupsPerSecChild, err = idleCost(ctx, pids, o.IdleFor); err != nil {
+		return err
+	}
+	say("exec in each child, woken from frozen")
+	before := e.FreezeStats()
+	var rts, awake []float64
+	for _, id := range ids {
+		start := time.Now()
+		if err := execTrue(ctx, e, id); err != nil {
+			r.ExecFailed++
+			say("exec in %s: %v", id, err)
+			continue
+		}
+		rts = append(rts, msSince(start))
+		start = time.Now()
+		if err := execTrue(ctx, e, id); err == nil {
+			awake = append(awake, msSince(start))
+		}
+	}
+	r.ExecRoundtrip, r.ExecAwake = Summarize(rts), Summarize(awake)
+	if after := e.FreezeStats(); after.Wakes > before.Wakes {
+		r.MeanWakeMS = 1000 * (after.WakeSeconds - before.WakeSeconds) / float64(after.Wakes-before.Wakes)
+	}
+	return nil
+}
+
+// execTrue runs `true` in sandbox id.
+func execTrue(ctx context.Context, e *sandbox.Engine, id string) error {
+	xctx, cancel := context.WithTimeout(ctx, time.Minute)
+	defer cancel()
+	c, release, err := e.Agent(xctx, id)
+	if err != nil {
+		return err
+	}
+	defer release()
+	res, err := c.Exec(xctx, agent.ExecRequest{Args: []string{"true"}})
+	if err == nil && res.ExitCode != 0 {
+		err = fmt.Errorf("true exited %d", res.ExitCode)
+	}
+	return err
+}
+
+// idleCost samples pids over d: their CPU in cores all together, and their
+// threads' context switches a second per process.
+func idleCost(ctx context.Context, pids []int, d time.Duration) (cores, switches float64, err error) {
+	sw0, err := ctxSwitches(pids)
+	if err != nil {
+		return 0, 0, err
+	}
+	start := time.Now()
+	pct, err := idleCPU(ctx, pids, d)
+	if err != nil {
+		return 0, 0, err
+	}
+	elapsed := time.Since(start).Seconds()
+	sw1, err := ctxSwitches(pids)
+	if err != nil {
+		return 0, 0, err
+	}
+	return pct * float64(len(pids)) / 100, float64(sw1-sw0) / elapsed / float64(len(pids)), nil
+}
+
+// ctxSwitches sums the voluntary and involuntary context switches of every
+// thread of pids: each is a wake-up of that thread.
+func ctxSwitches(pids []int) (int64, error) {
+	var n int64
+	for _, pid := range pids {
+		tasks, err := os.ReadDir(filepath.Join("/proc", strconv.Itoa(pid), "task"))
+		if err != nil {
+			return 0, err
+		}
+		for _, t := range tasks {
+			b, err := os.ReadFile(filepath.Join("/proc", strconv.Itoa(pid), "task", t.Name(), "status"))
+			if errors.Is(err, os.ErrNotExist) {
+				continue // the thread ended
+			}
+			if err != nil {
+				return 0, err
+			}
+			for _, line := range strings.Split(string(b), "\n") {
+				k, v, ok := strings.Cut(line, ":")
+				if ok && (k == "voluntary_ctxt_switches" || k == "nonvoluntary_ctxt_switches") {
+					x, _ := strconv.ParseInt(strings.TrimSpace(v), 10, 64)
+					n += x
+				}
+			}
+		}
+	}
+	return n, nil
+}
+
+// load1 is the host's 1-minute load average (0 when unknown).
+func load1() float64 {
+	b, err := os.ReadFile("/proc/loadavg")
+	if err != nil {
+		return 0
+	}
+	f := strings.Fields(string(b))
+	if len(f) == 0 {
+		return 0
+	}
+	v, _ := strconv.ParseFloat(f[0], 64)
+	return v
+}

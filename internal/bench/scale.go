@@ -54,7 +54,8 @@ type ScaleResult struct {
 	Image   string  `json:"image"`
 	// Network: every child in its own network namespace (as root).
 	Network bool `json:"network"`
-	Pool    int  `json:"pool"`
+	// Pool is how many VMMs waited parked for the snapshot at the fork.
+	Pool int `json:"pool"`
 	// Load1Before and Load1After are the host's 1-minute load average
 	// before the fork and before the kill (other work on the host shows
 	// here).
@@ -101,7 +102,7 @@ func RunScale(ctx context.Context, e *sandbox.Engine, o ScaleOptions) (*ScaleRes
 	}
 	say := progress(o.Progress)
 	cfg := e.Config()
-	r := &ScaleResult{Machine: DescribeRun(ctx, e.Backend()), N: o.N, Image: o.Image, Pool: cfg.Pool,
+	r := &ScaleResult{Machine: DescribeRun(ctx, e.Backend()), N: o.N, Image: o.Image,
 		Network: cfg.Net != nil && cfg.Cgroups != nil}
 
 	img, err := e.Images().Build(ctx, o.Image)
@@ -120,14 +121,15 @@ func RunScale(ctx context.Context, e *sandbox.Engine, o ScaleOptions) (*ScaleRes
 	if err := warmFork(ctx, e, sandbox.ForkSpec{Tag: tag, N: 1}); err != nil {
 		return nil, err
 	}
-	if cfg.Pool > 0 {
-		pctx, cancel := context.WithTimeout(ctx, 5*time.Minute)
-		err := e.PrimePool(pctx, tag, cfg.Pool)
-		cancel()
-		if err != nil {
-			return nil, err
+	// The fork parked VMMs for the snapshot in the background: wait
+	// for them (a park that failed is not retried: go on without it).
+	for start := time.Now(); cfg.Pool > 0 && time.Since(start) < time.Minute; time.Sleep(100 * time.Millisecond) {
+		if parked, _ := e.PoolStats(); parked[tag] >= cfg.Pool {
+			break
 		}
 	}
+	parked, _ := e.PoolStats()
+	r.Pool = parked[tag]
 
 	r.Load1Before = load1()
 	say("fork %d in one call (load %.1f)", o.N, r.Load1Before)

@@ -87,6 +87,8 @@ func TestLimitFlagsRefused(t *testing.T) {
 			{[]string{"--disk-mib", "99999999999999999999"}, "--disk-mib"},
 			{[]string{"--disk-mib", "64.5"}, "--disk-mib"},
 			{[]string{"--disk-mib", "lots"}, "--disk-mib"},
+			{[]string{"--idle-freeze-secs", "-2"}, "idle_freeze_secs = -2"},
+			{[]string{"--idle-freeze-secs", "86401"}, "idle_freeze_secs = 86401: want 1 to 86400, 0 (the daemon's --idle-freeze) or -1 (never)"},
 		} {
 			cases = append(cases, badArgs{append(append([]string(nil), cmd...), c.args...), c.want})
 		}
@@ -145,6 +147,9 @@ func TestServeFlagsRefused(t *testing.T) {
 		{[]string{"serve", "--body-timeout", "2h"}, "--body-timeout"},
 		{[]string{"serve", "--shutdown-grace", "-1s"}, "--shutdown-grace"},
 		{[]string{"serve", "--shutdown-grace", "2h"}, "--shutdown-grace"},
+		{[]string{"serve", "--idle-freeze", "-1s"}, "--idle-freeze"},
+		{[]string{"serve", "--idle-freeze", "500ms"}, "--idle-freeze 500ms: want 0 (never) or 1s to 24h"},
+		{[]string{"serve", "--idle-freeze", "25h"}, "--idle-freeze"},
 		{[]string{"serve", "--pool", "1e3"}, "--pool"},
 		{[]string{"serve", "--listen", "0.0.0.0:1", "--no-auth"}, "not a loopback address"},
 	})
@@ -161,6 +166,8 @@ func TestBenchFlagsRefused(t *testing.T) {
 		{[]string{"bench", "--exec-runs", "-1"}, "--exec-runs"},
 		{[]string{"bench", "--idle", "-1s"}, "--idle"},
 		{[]string{"bench", "--image", "../x"}, "--image"},
+		{[]string{"bench", "--scale", "0"}, "--scale 0: want 1 to 1000"},
+		{[]string{"bench", "--scale", "1001"}, "--scale 1001"},
 	})
 }
 

@@ -65,6 +65,8 @@ type ScaleResult struct {
 	ForkWallMS float64 `json:"fork_wall_ms"`
 	ForkReady  Summary `json:"fork_ready_ms"`
 	ForkFailed int     `json:"fork_failed"`
+	// ForkErrors says why the first children that failed did.
+	ForkErrors []string `json:"fork_errors,omitempty"`
 
 	// Idle CPU of all children together, in cores, without freezing and
 	// once the idle watch froze them all; wake-ups are the children's VMM
@@ -153,7 +155,9 @@ func RunScale(ctx context.Context, e *sandbox.Engine, o ScaleOptions) (*ScaleRes
 	var pids []int
 	for _, c := range fr.Children {
 		if c.Err != nil {
-			r.ForkFailed++
+			if r.ForkFailed++; r.ForkFailed <= 5 {
+				r.ForkErrors = append(r.ForkErrors, c.ID+": "+c.Err.Error())
+			}
 			continue
 		}
 		ready = append(ready, c.ReadyMS)

@@ -51,11 +51,12 @@ func (s *Server) serveEnvd(w http.ResponseWriter, r *http.Request, rec *record, 
 		fail(errdefs.Unauthenticated("invalid or missing X-Access-Token for sandbox %s", rec.ID), "")
 		return
 	}
-	c, _, err := s.e.Agent(r.Context(), sb.ID)
+	c, release, err := s.e.Agent(r.Context(), sb.ID)
 	if err != nil {
 		writeGone(w, rec.ID, err)
 		return
 	}
+	defer release() // the idle watch freezes it again once done
 	for _, f := range []string{proto.FeatureAttach, proto.FeaturePTY, proto.FeatureWatch} {
 		if !slices.Contains(c.Features(), f) {
 			fail(errdefs.FailedPrecondition("sandbox %s runs an agent without %s: remake its snapshot (%s) with this forkd", rec.ID, f, sb.Snapshot), "")

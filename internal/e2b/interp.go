@@ -49,11 +49,12 @@ func (s *Server) serveInterpreter(w http.ResponseWriter, r *http.Request, rec *r
 		writeAPIError(w, errdefs.Unauthenticated("invalid or missing E2B-Traffic-Access-Token for sandbox %s", rec.ID))
 		return
 	}
-	c, _, err := s.e.Agent(r.Context(), sb.ID)
+	c, release, err := s.e.Agent(r.Context(), sb.ID)
 	if err != nil {
 		writeGone(w, rec.ID, err)
 		return
 	}
+	defer release() // the idle watch freezes it again once done
 	if !slices.Contains(c.Features(), proto.FeatureRich) {
 		writeAPIError(w, errdefs.FailedPrecondition("sandbox %s has no warm interpreter of this forkd (snapshot %s): remake it from a python image", rec.ID, sb.Snapshot))
 		return

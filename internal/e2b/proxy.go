@@ -83,10 +83,11 @@ func (s *Server) metrics(w http.ResponseWriter, r *http.Request) error {
 	if err != nil {
 		return err
 	}
-	c, _, err := s.e.Agent(r.Context(), sb.ID)
+	c, release, err := s.e.Agent(r.Context(), sb.ID)
 	if err != nil {
 		return err
 	}
+	defer release() // the idle watch freezes it again once done
 	m, err := sample(r.Context(), c)
 	if err != nil {
 		return err

@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"strconv"
+	"strings"
 
 	"golang.org/x/sys/unix"
 
@@ -31,6 +32,26 @@ type HostNet struct {
 // hostNetClaims is where a host records which data dir holds which index
 // (on /run: forgotten at reboot, like the namespaces themselves).
 var hostNetClaims = "/run/forkd/net"
+
+// hostNetNSDir is where named network namespaces live (netns.Options).
+var hostNetNSDir = "/run/netns"
+
+// namespacesLeft reports whether a namespace named with prefix is still on
+// the host: an index whose claim went stale (its data dir is gone) may
+// still have namespaces a crashed forkd left, and a new data dir given
+// that index would fail to make its own ("netns fk17-1 exists").
+func namespacesLeft(prefix string) bool {
+	entries, err := os.ReadDir(hostNetNSDir)
+	if err != nil {
+		return false
+	}
+	for _, e := range entries {
+		if strings.HasPrefix(e.Name(), prefix+"-") {
+			return true
+		}
+	}
+	return false
+}
 
 const maxHostNets = 64
 
@@ -68,7 +89,7 @@ func hostNetFor(dataDir string) (HostNet, error) {
 		}
 	}
 	for i := 0; i < maxHostNets; i++ {
-		if o := owner(i); o == "" || !claimLive(o, i) {
+		if o := owner(i); (o == "" || !claimLive(o, i)) && !namespacesLeft(fmt.Sprintf("fk%02d", i)) {
 			hn = HostNet{
 				Index:   i,
 				Prefix:  fmt.Sprintf("fk%02d", i),
@@ -78,7 +99,7 @@ func hostNetFor(dataDir string) (HostNet, error) {
 			return hn, claim(hn, dataDir, path)
 		}
 	}
-	return hn, errdefs.ResourceExhausted("all %d host network ranges are claimed by other data dirs (see %s)", maxHostNets, hostNetClaims)
+	return hn, errdefs.ResourceExhausted("all %d host network ranges are claimed by other data dirs (see %s) or hold namespaces left behind (forkd cleanup in their data dir, or ip netns delete)", maxHostNets, hostNetClaims)
 }
 
 // claimLive reports whether the data dir that claimed index i still exists

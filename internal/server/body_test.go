@@ -37,6 +37,10 @@ func TestSlowBodiesAreBounded(t *testing.T) {
 		timeout  = 3 * time.Second
 		stall    = time.Second
 		inFlight = 16 << 20
+		// grace is what an answer may take past the deadline: the test
+		// shows stalls are bounded, not how fast a loaded host answers
+		// (200 connections on 2 cores under -race took 5–9 s at load 25).
+		grace = 10 * time.Second
 	)
 	d := startDaemon(t, fakeNoVMs{}, sandbox.Admission{}, func(_ *sandbox.Config, c *Config) {
 		c.BodyTimeout, c.BodyStallTimeout = timeout, stall
@@ -101,7 +105,7 @@ func TestSlowBodiesAreBounded(t *testing.T) {
 	for range conns {
 		a := <-answers
 		switch {
-		case a.err != nil && a.after > timeout+2*time.Second:
+		case a.err != nil && a.after > timeout+grace:
 			t.Errorf("a stalled request was neither answered nor cut after %v: %v", a.after.Round(time.Millisecond), a.err)
 		case a.err != nil:
 			cut++
@@ -110,8 +114,8 @@ func TestSlowBodiesAreBounded(t *testing.T) {
 			if a.status == http.StatusTooManyRequests && a.retryAfter == "" {
 				t.Errorf("a 429 without Retry-After")
 			}
-			if a.after > timeout+2*time.Second {
-				t.Errorf("a stalled request was answered %d after %v, want within %v", a.status, a.after.Round(time.Millisecond), timeout)
+			if a.after > timeout+grace {
+				t.Errorf("a stalled request was answered %d after %v, want within %v", a.status, a.after.Round(time.Millisecond), timeout+grace)
 			}
 		}
 	}

@@ -38,33 +38,32 @@ type Options struct {
 	Progress io.Writer
 }
 
-// Result is the JSON `forkd bench --json` prints. Keys only get added; a
-// part the run did not measure (--branch-only) is left out.
+// Result is the JSON `forkd bench --json` prints. Keys only get added.
 type Result struct {
 	Machine Machine `json:"machine"`
-	N       int     `json:"n,omitempty"`
+	N       int     `json:"n"`
 	Image   string  `json:"image"`
 
-	SnapshotMS float64 `json:"snapshot_ms,omitempty"`
+	SnapshotMS float64 `json:"snapshot_ms"`
 
-	ColdBootMS      float64 `json:"cold_boot_ms,omitempty"`
-	ColdBoot        Summary `json:"cold_boot,omitzero"`
-	ColdBootNWallMS float64 `json:"cold_boot_n_wall_ms,omitempty"`
+	ColdBootMS      float64 `json:"cold_boot_ms"`
+	ColdBoot        Summary `json:"cold_boot"`
+	ColdBootNWallMS float64 `json:"cold_boot_n_wall_ms"`
 
-	ForkNWallMS    float64 `json:"fork_n_wall_ms,omitempty"`
-	ForkReadyP50MS float64 `json:"fork_ready_p50_ms,omitempty"`
-	ForkReadyP90MS float64 `json:"fork_ready_p90_ms,omitempty"`
-	ForkReady      Summary `json:"fork_ready,omitzero"`
+	ForkNWallMS    float64 `json:"fork_n_wall_ms"`
+	ForkReadyP50MS float64 `json:"fork_ready_p50_ms"`
+	ForkReadyP90MS float64 `json:"fork_ready_p90_ms"`
+	ForkReady      Summary `json:"fork_ready"`
 
-	ChildPrivateMiB      float64 `json:"child_private_mib,omitempty"`
-	ChildGuestPrivateMiB float64 `json:"child_guest_private_mib,omitempty"`
-	ChildPrivate         Summary `json:"child_private_mib_dist,omitzero"`
-	ChildGuestPrivate    Summary `json:"child_guest_private_mib_dist,omitzero"`
+	ChildPrivateMiB      float64 `json:"child_private_mib"`
+	ChildGuestPrivateMiB float64 `json:"child_guest_private_mib"`
+	ChildPrivate         Summary `json:"child_private_mib_dist"`
+	ChildGuestPrivate    Summary `json:"child_guest_private_mib_dist"`
 
-	IdleCPUPctPerChild float64 `json:"idle_cpu_pct_per_child,omitempty"`
+	IdleCPUPctPerChild float64 `json:"idle_cpu_pct_per_child"`
 
-	ExecRoundtripP50MS float64 `json:"exec_roundtrip_p50_ms,omitempty"`
-	ExecRoundtrip      Summary `json:"exec_roundtrip,omitzero"`
+	ExecRoundtripP50MS float64 `json:"exec_roundtrip_p50_ms"`
+	ExecRoundtrip      Summary `json:"exec_roundtrip"`
 	CLIExecP50MS       float64 `json:"cli_exec_p50_ms,omitempty"`
 
 	// With a Python image, in the same child: eval in the warm interpreter
@@ -91,10 +90,10 @@ type Result struct {
 	// With --disk: the writable disk against no disk.
 	*DiskResult
 
-	ProcessForkP50MS   float64 `json:"baseline_process_fork_p50_ms,omitempty"`
+	ProcessForkP50MS   float64 `json:"baseline_process_fork_p50_ms"`
 	PythonStartP50MS   float64 `json:"baseline_python_c_p50_ms,omitempty"`
-	RatioColdNOverFork float64 `json:"ratio_cold_n_over_fork_n,omitempty"`
-	RatioColdOverReady float64 `json:"ratio_cold_over_fork_ready_p50,omitempty"`
+	RatioColdNOverFork float64 `json:"ratio_cold_n_over_fork_n"`
+	RatioColdOverReady float64 `json:"ratio_cold_over_fork_ready_p50"`
 }
 
 // Bounds of Options, named as forkd bench's flags.

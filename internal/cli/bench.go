@@ -64,6 +64,16 @@ func newBenchCmd(g *globals) *cobra.Command {
 			if only {
 				r.Machine, r.Image = bench.DescribeRun(cmd.Context(), e.Backend()), o.Image
 			}
+			if only && asJSON {
+				// What the run did not measure is left out, not printed
+				// as zeros.
+				return writeJSON(g.stdout, struct {
+					Machine bench.Machine `json:"machine"`
+					Image   string        `json:"image"`
+					*bench.BranchResult
+					*bench.DiskResult
+				}{r.Machine, r.Image, r.BranchResult, r.DiskResult})
+			}
 			if asJSON {
 				return writeJSON(g.stdout, r)
 			}

@@ -65,10 +65,13 @@ type ArtifactConfig struct {
 	MemoryMiB      int             `json:"memory_mib"`
 	VCPUs          int             `json:"vcpus"`
 	Network        bool            `json:"network,omitempty"`
-	Image          string          `json:"image,omitempty"`
-	Python         string          `json:"python,omitempty"`
-	Preload        []string        `json:"preload,omitempty"`
-	Warmup         []string        `json:"warmup,omitempty"`
+	// DiskSlot: the machine has a disk slot after its root file system
+	// (snapshot.Metadata's); its children need that disk to restore.
+	DiskSlot bool     `json:"disk_slot,omitempty"`
+	Image    string   `json:"image,omitempty"`
+	Python   string   `json:"python,omitempty"`
+	Preload  []string `json:"preload,omitempty"`
+	Warmup   []string `json:"warmup,omitempty"`
 	// ContentHash is the snapshot's content hash (snapshot.Metadata's).
 	ContentHash string `json:"content_hash"`
 	// Parent, for a chain link, names the artifact of the snapshot its

@@ -516,7 +516,7 @@ func (h *Hub) assemble(ctx context.Context, l *link, parent *snapshot.Snapshot, 
 	}
 	md := snapshot.Metadata{
 		Backend: c.Backend, BackendVersion: c.BackendVersion, Accelerator: c.Accelerator, Machine: c.Machine,
-		Image: c.Image, MemoryMiB: c.MemoryMiB, VCPUs: c.VCPUs, Network: c.Network, Python: c.Python,
+		Image: c.Image, MemoryMiB: c.MemoryMiB, VCPUs: c.VCPUs, Network: c.Network, DiskSlot: c.DiskSlot, Python: c.Python,
 		Preload: c.Preload, Warmup: c.Warmup, ContentHash: c.ContentHash, Created: c.Created, Kind: c.Kind,
 		Origin: &snapshot.Origin{Ref: origin, Digest: l.digest, Pulled: time.Now().UTC(), CPU: &c.CPU},
 	}

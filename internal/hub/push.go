@@ -103,6 +103,11 @@ func (h *Hub) push(ctx context.Context, s sink, tag, refTag string, onProgress f
 		chain = append(chain, sn)
 	}
 	slices.Reverse(chain)
+	for _, sn := range chain {
+		if _, mib := sn.DiskLayer(); mib > 0 {
+			return nil, errdefs.FailedPrecondition("snapshot %q carries a writable disk of %d MiB (a branch of a sandbox with --disk-mib), which the hub does not move yet", sn.Tag, mib)
+		}
+	}
 	host, err := h.cfg.Host(ctx)
 	if err != nil {
 		return nil, err
@@ -292,7 +297,7 @@ func configOf(sn *snapshot.Snapshot, cpu CPU) ArtifactConfig {
 	c := ArtifactConfig{
 		FormatVersion: FormatVersion, Tag: md.Tag, Created: md.Created, Kind: md.Kind,
 		Backend: md.Backend, BackendVersion: md.BackendVersion, Accelerator: md.Accelerator, Machine: md.Machine,
-		CPU: cpu, MemoryMiB: md.MemoryMiB, VCPUs: md.VCPUs, Network: md.Network, Image: md.Image,
+		CPU: cpu, MemoryMiB: md.MemoryMiB, VCPUs: md.VCPUs, Network: md.Network, DiskSlot: md.DiskSlot, Image: md.Image,
 		Python: md.Python, Preload: md.Preload, Warmup: md.Warmup, ContentHash: md.ContentHash,
 	}
 	if md.Origin != nil && md.Origin.CPU != nil {

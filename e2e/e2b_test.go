@@ -70,10 +70,7 @@ func npm(t *testing.T, dir string, args ...string) {
 // baseline of the measures and returns its entry point.
 func nativeSDK(t *testing.T) string {
 	t.Helper()
-	dir, err := filepath.Abs("../sdk/typescript")
-	testutil.Check(t, err)
-	npm(t, dir, "ci", "--no-audit", "--no-fund", "--prefer-offline")
-	npm(t, dir, "run", "build")
+	dir, _ := buildTypeScriptSDK(context.Background(), t)
 	return filepath.Join(dir, "dist", "index.js")
 }
 

@@ -7,6 +7,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"sync"
 	"testing"
 	"time"
 
@@ -80,7 +81,21 @@ func buildTypeScriptSDK(ctx context.Context, t *testing.T) (string, func(name st
 		t.Logf("%s %v: %.1fs", name, args, time.Since(start).Seconds())
 		return out.String()
 	}
-	run("npm", "ci", "--no-audit", "--no-fund", "--prefer-offline")
-	run("npm", "run", "build")
+	// Once per test process: the SDK, MCP and E2B tests run in parallel,
+	// and an npm ci in the directory another test builds in removes the
+	// files under it.
+	tsSDKBuild.Lock()
+	defer tsSDKBuild.Unlock()
+	if !tsSDKBuild.done {
+		run("npm", "ci", "--no-audit", "--no-fund", "--prefer-offline")
+		run("npm", "run", "build")
+		tsSDKBuild.done = true
+	}
 	return dir, run
+}
+
+// tsSDKBuild says whether buildTypeScriptSDK has built the SDK.
+var tsSDKBuild struct {
+	sync.Mutex
+	done bool
 }

@@ -250,14 +250,8 @@ func (c *Client) WaitOperationProgress(ctx context.Context, id string, progress 
 			seen = op.ProgressLines
 			delay = 100 * time.Millisecond
 		}
-		switch op.Status {
-		case apiv1.OperationSucceeded:
-			return op, nil
-		case apiv1.OperationFailed:
-			if op.Error != nil {
-				return op, errdefs.FromCode(op.Error.Code, op.Error.Message)
-			}
-			return op, errors.New("operation failed")
+		if done, err := ended(op); done {
+			return op, err
 		}
 		select {
 		case <-ctx.Done():
@@ -266,6 +260,21 @@ func (c *Client) WaitOperationProgress(ctx context.Context, id string, progress 
 		}
 		delay = min(delay*2, time.Second)
 	}
+}
+
+// ended reports whether op has ended, and a failed one's error as a
+// classed error.
+func ended(op *apiv1.Operation) (bool, error) {
+	switch op.Status {
+	case apiv1.OperationSucceeded:
+		return true, nil
+	case apiv1.OperationFailed:
+		if op.Error != nil {
+			return true, errdefs.FromCode(op.Error.Code, op.Error.Message)
+		}
+		return true, errors.New("operation failed")
+	}
+	return false, nil
 }
 
 // WatchOperation polls an operation every interval (at least 50 ms)
@@ -282,14 +291,8 @@ func (c *Client) WatchOperation(ctx context.Context, id string, interval time.Du
 		if fn != nil {
 			fn(op)
 		}
-		switch op.Status {
-		case apiv1.OperationSucceeded:
-			return op, nil
-		case apiv1.OperationFailed:
-			if op.Error != nil {
-				return op, errdefs.FromCode(op.Error.Code, op.Error.Message)
-			}
-			return op, errors.New("operation failed")
+		if done, err := ended(op); done {
+			return op, err
 		}
 		select {
 		case <-ctx.Done():

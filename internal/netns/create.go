@@ -127,8 +127,21 @@ func (m *Manager) Create(ctx context.Context, slot int, p Policy) (_ *Net, err e
 	if err := step(stepInsideLink); err != nil {
 		return nil, err
 	}
-	if err := setupInside(inside, n); err != nil {
+	mac, err := setupInside(inside, n)
+	if err != nil {
 		return nil, wrap(stepInsideLink, err)
+	}
+	// The host knows the namespace's end for good, so it never sends an
+	// ARP request or probe on the link: every packet it sends there is
+	// for the guest (Inbound), and a frozen guest is not woken by the
+	// host checking its neighbour.
+	host, err := netlink.LinkByName(n.HostLink)
+	if err != nil {
+		return nil, wrap(stepInsideLink, err)
+	}
+	if err := netlink.NeighSet(&netlink.Neigh{LinkIndex: host.Attrs().Index, IP: net.IP(n.ChildAddr.AsSlice()),
+		HardwareAddr: mac, State: netlink.NUD_PERMANENT, Family: netlink.FAMILY_V4}); err != nil {
+		return nil, wrap(stepInsideLink, fmt.Errorf("neighbour %s on %s: %w", n.ChildAddr, n.HostLink, err))
 	}
 
 	if err := step(stepTap); err != nil {
@@ -200,26 +213,26 @@ func (m *Manager) Create(ctx context.Context, slot int, p Policy) (_ *Net, err e
 
 // setupInside configures the namespace's loopback and veth end, and its
 // default route towards the host.
-func setupInside(h *netlink.Handle, n Net) error {
+func setupInside(h *netlink.Handle, n Net) (net.HardwareAddr, error) {
 	lo, err := h.LinkByName("lo")
 	if err != nil {
-		return fmt.Errorf("lo: %w", err)
+		return nil, fmt.Errorf("lo: %w", err)
 	}
 	if err := h.LinkSetUp(lo); err != nil {
-		return fmt.Errorf("lo up: %w", err)
+		return nil, fmt.Errorf("lo up: %w", err)
 	}
 	if err := addAddrUp(h, VethName, netip.PrefixFrom(n.ChildAddr, 30)); err != nil {
-		return err
+		return nil, err
 	}
 	veth, err := h.LinkByName(VethName)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	gw := n.HostAddr.AsSlice()
 	if err := h.RouteAdd(&netlink.Route{LinkIndex: veth.Attrs().Index, Gw: net.IP(gw)}); err != nil {
-		return fmt.Errorf("default route: %w", err)
+		return nil, fmt.Errorf("default route: %w", err)
 	}
-	return nil
+	return veth.Attrs().HardwareAddr, nil
 }
 
 // addAddrUp gives link name the address p and brings it up; h nil means

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/vishvananda/netlink"
 )
 
 // TestChildren: three children with the same guest address, each reached
@@ -39,6 +40,31 @@ func TestChildren(t *testing.T) {
 	t.Run("host reaches each child", func(t *testing.T) {
 		for s, n := range nets {
 			expectGet(t, "", ap(n.ChildAddr, 80), fmt.Sprintf("guest %d", s))
+		}
+	})
+	// The host knows each child's end for good (no ARP on the link), and
+	// counts what it sends there.
+	t.Run("host counts traffic for the child", func(t *testing.T) {
+		l, err := netlink.LinkByName(m.hostLink(0))
+		if err != nil {
+			t.Fatal(err)
+		}
+		neighs, err := netlink.NeighList(l.Attrs().Index, netlink.FAMILY_V4)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !slices.ContainsFunc(neighs, func(n netlink.Neigh) bool {
+			return n.IP.Equal(net.IP(nets[0].ChildAddr.AsSlice())) && n.State&netlink.NUD_PERMANENT != 0
+		}) {
+			t.Errorf("no permanent neighbour %s on %s: %+v", nets[0].ChildAddr, m.hostLink(0), neighs)
+		}
+		before, err := m.Inbound(0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		expectGet(t, "", ap(nets[0].ChildAddr, 80), "guest 0")
+		if after, err := m.Inbound(0); err != nil || after <= before {
+			t.Errorf("Inbound: %d before a request, %d (%v) after", before, after, err)
 		}
 	})
 	t.Run("child never reaches child", func(t *testing.T) {

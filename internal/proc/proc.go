@@ -16,6 +16,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"syscall"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -34,31 +35,75 @@ var Root = "/proc"
 // StartTime returns the start time of pid in clock ticks since boot.
 // It fails with a NotFound-class error when the process does not exist.
 func StartTime(pid int) (uint64, error) {
-	data, err := os.ReadFile(filepath.Join(Root, strconv.Itoa(pid), "stat"))
+	data, err := readStat(pid)
 	if err != nil {
-		if errors.Is(err, os.ErrNotExist) || errors.Is(err, syscall.ESRCH) {
-			return 0, errdefs.NotFound("process %d does not exist", pid)
-		}
 		return 0, err
 	}
 	return parseStartTime(data)
 }
 
-// parseStartTime extracts field 22 of a /proc/PID/stat line. The command
-// name (field 2) may hold spaces and parentheses, so fields are counted from
-// the last ')'.
-func parseStartTime(stat []byte) (uint64, error) {
+// userHZ is the unit of /proc's CPU times: USER_HZ, 100 on every Linux
+// architecture's ABI.
+const userHZ = 100
+
+// CPUTime returns the CPU time (user and system, all threads) the process
+// named by id has used, to 1/100 s. It fails with a NotFound-class error
+// when that process has exited, even if its pid now names another.
+func CPUTime(id Identity) (time.Duration, error) {
+	data, err := readStat(id.PID)
+	if err != nil {
+		return 0, err
+	}
+	f, err := statFields(data, 22)
+	if err != nil {
+		return 0, err
+	}
+	if st, err := strconv.ParseUint(string(f[22-3]), 10, 64); err != nil || st != id.StartTime {
+		return 0, errdefs.NotFound("process %d has exited", id.PID)
+	}
+	// utime and stime are fields 14 and 15.
+	u, err1 := strconv.ParseUint(string(f[14-3]), 10, 64)
+	s, err2 := strconv.ParseUint(string(f[15-3]), 10, 64)
+	if err := errors.Join(err1, err2); err != nil {
+		return 0, fmt.Errorf("malformed stat line: %w", err)
+	}
+	return time.Duration(u+s) * (time.Second / userHZ), nil
+}
+
+// readStat reads /proc/PID/stat.
+func readStat(pid int) ([]byte, error) {
+	data, err := os.ReadFile(filepath.Join(Root, strconv.Itoa(pid), "stat"))
+	if err != nil {
+		if errors.Is(err, os.ErrNotExist) || errors.Is(err, syscall.ESRCH) {
+			return nil, errdefs.NotFound("process %d does not exist", pid)
+		}
+		return nil, err
+	}
+	return data, nil
+}
+
+// statFields splits a /proc/PID/stat line from field 3 (state) on, and
+// checks that it reaches field last. The command name (field 2) may hold
+// spaces and parentheses, so fields are counted from the last ')'.
+func statFields(stat []byte, last int) ([][]byte, error) {
 	i := bytes.LastIndexByte(stat, ')')
 	if i < 0 {
-		return 0, fmt.Errorf("malformed stat line")
+		return nil, fmt.Errorf("malformed stat line")
 	}
 	fields := bytes.Fields(stat[i+1:])
-	// fields[0] is field 3 (state); start time is field 22.
-	const idx = 22 - 3
-	if len(fields) <= idx {
-		return 0, fmt.Errorf("malformed stat line: %d fields", len(fields))
+	if len(fields) <= last-3 {
+		return nil, fmt.Errorf("malformed stat line: %d fields", len(fields))
 	}
-	return strconv.ParseUint(string(fields[idx]), 10, 64)
+	return fields, nil
+}
+
+// parseStartTime extracts field 22 of a /proc/PID/stat line.
+func parseStartTime(stat []byte) (uint64, error) {
+	f, err := statFields(stat, 22)
+	if err != nil {
+		return 0, err
+	}
+	return strconv.ParseUint(string(f[22-3]), 10, 64)
 }
 
 // Self returns the identity of pid as it is now.

@@ -6,6 +6,8 @@ import (
 	"os/exec"
 	"testing"
 	"time"
+
+	"github.com/forkd/forkd/internal/errdefs"
 )
 
 func TestParseStartTime(t *testing.T) {
@@ -63,5 +65,53 @@ func TestSelf(t *testing.T) {
 	}
 	if _, err := Self(1 << 30); err == nil {
 		t.Fatal("nonexistent pid accepted")
+	}
+}
+
+// TestCPUTime: a busy process's CPU time grows, an idle one's does not,
+// and a wrong start time never reads another process's counters.
+func TestCPUTime(t *testing.T) {
+	busy := exec.Command("sh", "-c", "while :; do :; done")
+	idle := exec.Command("sleep", "60")
+	for _, c := range []*exec.Cmd{busy, idle} {
+		if err := c.Start(); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.Process.Kill(); c.Wait() })
+	}
+	ids := make([]Identity, 2)
+	before := make([]time.Duration, 2)
+	for i, c := range []*exec.Cmd{busy, idle} {
+		var err error
+		if ids[i], err = Self(c.Process.Pid); err != nil {
+			t.Fatal(err)
+		}
+		if before[i], err = CPUTime(ids[i]); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// The busy one runs until it has used 10 ms (a loaded host may make
+	// it wait).
+	after := make([]time.Duration, 2)
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(100 * time.Millisecond) {
+		for i := range ids {
+			var err error
+			if after[i], err = CPUTime(ids[i]); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if after[0] > before[0] || time.Now().After(deadline) {
+			break
+		}
+	}
+	if after[0] <= before[0] {
+		t.Errorf("busy process: %v of CPU, then %v", before[0], after[0])
+	}
+	if after[1] != before[1] {
+		t.Errorf("sleeping process: %v of CPU, then %v", before[1], after[1])
+	}
+	wrong := Identity{PID: ids[1].PID, StartTime: ids[1].StartTime + 1}
+	if _, err := CPUTime(wrong); !errdefs.IsNotFound(err) {
+		t.Errorf("wrong start time: %v", err)
 	}
 }

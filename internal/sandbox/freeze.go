@@ -15,8 +15,8 @@ import (
 )
 
 // Idle freezing (daemon mode): a running sandbox that has had no request
-// in flight, no request and no inbound network traffic for its idle time
-// is frozen whole (its VMM's tasks stop in the cgroup freezer: no CPU, no
+// in flight, no request, no inbound network traffic and no work of its own
+// (its VMM's CPU use under BusyCPU) for its idle time is frozen whole (its VMM's tasks stop in the cgroup freezer: no CPU, no
 // wake-ups), and thawed by the next request of any kind before that
 // request reaches the guest, or by inbound traffic within IdlePoll. After
 // a thaw the guest is told the time. A frozen sandbox keeps its memory,
@@ -31,6 +31,17 @@ const MaxIdleFreezeSecs = 86400
 // IdlePoll is how often the idle watch looks at the sandboxes' traffic
 // and idle times: inbound traffic wakes a frozen sandbox within it.
 const IdlePoll = 100 * time.Millisecond
+
+// BusyCPU is the share of one host core a sandbox's VMM may use and
+// still count as idle: an idle guest's VMM takes 0.2–0.7 % here (its
+// timer, QEMU's loop), one that computes (a server answering a request,
+// a background job) takes far more and is never frozen for it.
+const BusyCPU = 0.03
+
+// cpuWindow is how often the idle watch reads each running sandbox's CPU
+// time; a freeze is decided only on such a reading, so that the window
+// before a freeze was measured.
+const cpuWindow = time.Second
 
 // idleRescan is how often the idle watch reloads the list of sandboxes.
 const idleRescan = 2 * time.Second
@@ -61,7 +72,11 @@ type idleState struct {
 	pid     proc.Identity
 	slot    int // network slot, -1 for none
 	inbound uint64
-	frozen  bool
+	// cpu is the VMM's CPU time at cpuAt (zero: not read since the
+	// sandbox joined the watch or was frozen).
+	cpu    time.Duration
+	cpuAt  time.Time
+	frozen bool
 	// resync is set by a thaw: the next client of the sandbox tells the
 	// guest the time first.
 	resync bool
@@ -280,7 +295,13 @@ func (e *Engine) idleTick() {
 				continue
 			}
 		}
-		if !st.frozen && st.busy == 0 && st.after > 0 && st.pid.PID != 0 && now.Sub(st.last) >= st.after {
+		if st.frozen || st.busy > 0 || st.after <= 0 || st.pid.PID == 0 || now.Sub(st.cpuAt) < cpuWindow {
+			continue
+		}
+		switch working, known := e.working(st, now); {
+		case working:
+			st.last = now
+		case known && now.Sub(st.last) >= st.after:
 			freeze = append(freeze, id)
 		}
 	}
@@ -303,6 +324,20 @@ func (e *Engine) idleTick() {
 			e.log.Warn("idle watch: freeze", "sandbox", id, "err", err)
 		}
 	}
+}
+
+// working reads st's VMM's CPU time and reports whether it used more than
+// BusyCPU since the last reading; known is false when there was no
+// reading to compare with (or the VMM is gone). Called with e.idle.mu
+// held.
+func (e *Engine) working(st *idleState, now time.Time) (working, known bool) {
+	cpu, err := proc.CPUTime(st.pid)
+	prev, prevAt := st.cpu, st.cpuAt
+	st.cpu, st.cpuAt = cpu, now
+	if err != nil || prevAt.IsZero() {
+		return false, false
+	}
+	return float64(cpu-prev) > BusyCPU*float64(now.Sub(prevAt)), true
 }
 
 // freeze freezes sandbox id if it is still idle.
@@ -333,7 +368,7 @@ func (e *Engine) freeze(id string) error {
 		return errors.Join(errdefs.NotFound("sandbox %s: its VMM went away while it was frozen", id), e.cfg.Cgroups.Thaw(id))
 	}
 	e.idle.mu.Lock()
-	st.frozen = true
+	st.frozen, st.cpuAt = true, time.Time{}
 	e.idle.stats.Freezes++
 	e.idle.mu.Unlock()
 	e.log.Debug("sandbox frozen", "sandbox", id)

@@ -21,7 +21,8 @@ import (
 
 // TestIdleFreezeVM: a daemon with --idle-freeze 1s freezes idle children
 // (their VMM takes no CPU), and a frozen child answers exec, files, eval
-// and a request on a published port as if it had never stopped, with its
+// and a request on a published port (one that computes longer than the
+// idle time too) as if it had never stopped, with its
 // clock right; a TTL expires a frozen child, and killing one leaves
 // nothing (a task frozen by the v1 freezer ignores SIGKILL until thawed).
 func TestIdleFreezeVM(t *testing.T) {
@@ -65,11 +66,17 @@ func TestIdleFreezeVM(t *testing.T) {
 	}
 	sb, other := res.Sandboxes[0], res.Sandboxes[1]
 	id := sb.ID
-	if _, err := c.StartProcess(ctx, id, apiv1.StartProcessRequest{ExecRequest: apiv1.ExecRequest{
-		Shell: "echo frozen-ok > /tmp/index.html && exec python3 -m http.server 8000 -d /tmp"}}); err != nil {
+	// The guest's server answers /index.html at once and /slow after 3 s
+	// of computing (longer than the idle time).
+	if _, err := c.WriteFile(ctx, id, "/tmp/srv.py", strings.NewReader(guestServer), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	url := fmt.Sprintf("http://127.0.0.1:%d/index.html", sb.Network.Ports[0].HostPort)
+	if _, err := c.StartProcess(ctx, id, apiv1.StartProcessRequest{ExecRequest: apiv1.ExecRequest{
+		Args: []string{"python3", "/tmp/srv.py"}}}); err != nil {
+		t.Fatal(err)
+	}
+	base := fmt.Sprintf("http://127.0.0.1:%d", sb.Network.Ports[0].HostPort)
+	url := base + "/index.html"
 	// The server is up once it answers (the child is awake meanwhile).
 	for deadline := time.Now().Add(2 * time.Minute); ; {
 		if body, err := get(ctx, url); err == nil && body == "frozen-ok\n" {
@@ -90,10 +97,10 @@ func TestIdleFreezeVM(t *testing.T) {
 				t.Fatal(err)
 			}
 			if s.Status == apiv1.SandboxFrozen {
-				a := cpuTicks(t, s.PID)
+				w, a := d.e.FreezeStats().Wakes, cpuTicks(t, s.PID)
 				time.Sleep(time.Second)
 				if b := cpuTicks(t, s.PID); b != a {
-					t.Errorf("frozen VMM %d took %d ticks of CPU in a second", s.PID, b-a)
+					t.Errorf("frozen VMM %d took %d ticks of CPU in a second (%d wakes meanwhile)", s.PID, b-a, d.e.FreezeStats().Wakes-w)
 				}
 				return
 			}
@@ -180,10 +187,21 @@ func TestIdleFreezeVM(t *testing.T) {
 			return err
 		})
 	})
+	// A request that keeps the guest computing longer than the idle
+	// time: its VMM's CPU use keeps it awake until it answers.
+	t.Run("slow request", func(t *testing.T) {
+		awake(t, "slow GET", func(ctx context.Context) error {
+			body, err := get(ctx, base+"/slow")
+			if err == nil && body != "slow-ok\n" {
+				err = fmt.Errorf("body %q", body)
+			}
+			return err
+		})
+	})
 	t.Run("metrics", func(t *testing.T) {
 		st := d.e.FreezeStats()
-		if st.Freezes < 6 || st.Wakes < 6 || st.WakeSeconds <= 0 {
-			t.Errorf("freeze stats %+v after six wakes", st)
+		if st.Freezes < 7 || st.Wakes < 7 || st.WakeSeconds <= 0 {
+			t.Errorf("freeze stats %+v after seven wakes", st)
 		}
 		t.Logf("freeze stats %+v: mean wake %.0f ms", st, 1000*st.WakeSeconds/float64(st.Wakes))
 	})
@@ -209,6 +227,30 @@ func TestIdleFreezeVM(t *testing.T) {
 		assertNoLeak(t, d)
 	})
 }
+
+// guestServer is a guest's HTTP server on port 8000: /index.html answers
+// at once, /slow after computing for 3 s.
+const guestServer = `import http.server, time
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        if self.path == "/slow":
+            end = time.monotonic() + 3
+            while time.monotonic() < end:
+                pass
+            body = b"slow-ok\n"
+        elif self.path == "/index.html":
+            body = b"frozen-ok\n"
+        else:
+            self.send_error(404)
+            return
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+http.server.HTTPServer(("", 8000), Handler).serve_forever()
+`
 
 // get GETs url and returns its body.
 func get(ctx context.Context, url string) (string, error) {

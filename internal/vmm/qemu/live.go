@@ -156,6 +156,11 @@ type liveSave struct {
 	seed      maphash.Seed
 	sums      []uint64
 	zero      uint64
+	// What checkPages reads into, made by prepareCheck: pagemap
+	// entries, candidate pages, a page buffer per worker.
+	entries   []byte
+	idx       []int
+	checkBufs [][]byte
 }
 
 type liveResult struct {
@@ -168,9 +173,9 @@ type liveResult struct {
 // other and starts the migration.
 func (ls *liveSave) start(ctx context.Context) error {
 	if ls.check {
-		ls.seed = maphash.MakeSeed()
-		ls.sums = make([]uint64, ls.ram.Size/pageSize)
-		ls.zero = maphash.Bytes(ls.seed, zeroPage[:])
+		if err := ls.prepareCheck(); err != nil {
+			return fmt.Errorf("live save: %w", err)
+		}
 	}
 	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
 	if err != nil {

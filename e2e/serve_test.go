@@ -56,7 +56,10 @@ func startServe(t *testing.T, c *cli, extra ...string) *daemonProc {
 	d := &daemonProc{t: t, c: c, sock: filepath.Join(sockDir, "s"), url: "http://" + addr}
 	d.args = append([]string{"serve", "--socket", d.sock, "--listen", addr}, extra...)
 	d.start()
-	t.Cleanup(func() { d.kill9() })
+	// As an operator stops it: a SIGKILLed daemon leaves the VMMs it
+	// parked for its pool (and their namespaces) for the next daemon of
+	// the data dir to reclaim, and the test's data dir goes with it.
+	t.Cleanup(d.stop)
 	return d
 }
 

@@ -37,6 +37,7 @@ type pool struct {
 	filling map[string]chan struct{} // closed when tag's filler ends
 	recent  []string                 // tags, most recently forked last; at most maxPoolTags
 	hits    int
+	closed  bool // set by close: nothing is parked any more
 }
 
 // maxPoolTags bounds how many snapshots have parked VMMs at once.
@@ -139,6 +140,12 @@ func (p *pool) refill(snap *snapshot.Snapshot) {
 		return
 	}
 	p.mu.Lock()
+	if p.closed {
+		// A fork that ends while the engine closes (its request outlived
+		// the daemon's grace) parks nothing that nobody would discard.
+		p.mu.Unlock()
+		return
+	}
 	var evict []string
 	recent := []string{}
 	for _, t := range p.recent {
@@ -310,12 +317,13 @@ func (p *pool) dropTags(tags []string) error {
 	return errors.Join(errs...)
 }
 
-// close discards every parked VMM.
+// close discards every parked VMM; refill parks none after it.
 func (p *pool) close() error {
 	if p == nil {
 		return nil
 	}
 	p.mu.Lock()
+	p.closed = true
 	tags := append([]string(nil), p.recent...)
 	for t := range p.entries {
 		tags = append(tags, t)

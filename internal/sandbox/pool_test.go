@@ -68,3 +68,17 @@ func TestRestoreParkedRollsBack(t *testing.T) {
 		}
 	})
 }
+
+// Once the pool is closed (the engine closing), a fork that ends late
+// refills nothing: no VMM would be parked that nobody discards.
+func TestPoolRefillAfterClose(t *testing.T) {
+	e := fakeEngine(t)
+	p := &pool{e: e, size: 2, entries: map[string][]*parkedVMM{}, filling: map[string]chan struct{}{}}
+	testutil.Check(t, p.close())
+	p.refill(&snapshot.Snapshot{Metadata: snapshot.Metadata{Tag: "t"}})
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if len(p.recent) != 0 || len(p.filling) != 0 {
+		t.Fatalf("refill after close: recent %v, filling %d", p.recent, len(p.filling))
+	}
+}

@@ -33,6 +33,8 @@ import (
 	"syscall"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/forkd/forkd/internal/errdefs"
 	"github.com/forkd/forkd/internal/launch"
 	"github.com/forkd/forkd/internal/vmm"
@@ -108,8 +110,21 @@ func New(opts Options) (*Backend, error) {
 	default:
 		return nil, errdefs.InvalidArgument("accelerator %q: want kvm, tcg or auto", opts.Accel)
 	}
+	if b.accel == "tcg" {
+		noHugePages()
+	}
 	return b, nil
 }
+
+// noHugePages turns transparent huge pages off for this process, and so
+// for every QEMU it starts from now on (the flag is inherited through fork
+// and exec). QEMU asks for huge pages for its TCG translation buffer, so
+// that each 2 MiB of it it touches costs 2 MiB: 14 of its 16 MiB were
+// resident in a child that had run for a second, 9.3 MiB without. Guest
+// RAM loses nothing: a child's pages are private copies of a file's,
+// 4 KiB each either way. A kernel without the flag (before 3.15) keeps
+// huge pages.
+var noHugePages = sync.OnceFunc(func() { _ = unix.Prctl(unix.PR_SET_THP_DISABLE, 1, 0, 0, 0) })
 
 // Name implements vmm.Backend.
 func (b *Backend) Name() string { return "qemu" }

@@ -3,6 +3,9 @@ package qemu_test
 import (
 	"context"
 	"errors"
+	"fmt"
+	"os"
+	"regexp"
 	"testing"
 
 	"github.com/forkd/forkd/internal/agent"
@@ -16,18 +19,40 @@ import (
 func TestConformance(t *testing.T) {
 	vmmtest.Run(t, func(t *testing.T) vmmtest.Env {
 		img := testvm.Image(t, "minimal")
+		b := testvm.Backend(t)
 		return vmmtest.Env{
-			Backend: testvm.Backend(t),
+			Backend: b,
 			Boot: vmm.BootSpec{
 				Resources: vmm.Resources{MemoryMiB: 256, VCPUs: 1},
 				Kernel:    img.Kernel,
 				Initrd:    img.Initrd,
 				Cmdline:   img.Cmdline,
 			},
-			Probe: probe,
-			Dir:   t.TempDir(),
+			Probe: func(ctx context.Context, m vmm.Machine) error {
+				if b.Capabilities().Accelerator == "tcg" {
+					if err := noHugePages(m); err != nil {
+						return err
+					}
+				}
+				return probe(ctx, m)
+			},
+			Dir: t.TempDir(),
 		}
 	})
+}
+
+// noHugePages checks that m's QEMU runs without transparent huge pages,
+// as the backend starts it under TCG.
+func noHugePages(m vmm.Machine) error {
+	pid := m.Handle().Process.PID
+	status, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		return err
+	}
+	if !regexp.MustCompile(`(?m)^THP_enabled:\s+0$`).Match(status) {
+		return fmt.Errorf("qemu %d runs with transparent huge pages (want THP_enabled: 0 under TCG)", pid)
+	}
+	return nil
 }
 
 // probe connects to the agent and pings it.

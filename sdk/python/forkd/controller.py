@@ -141,6 +141,13 @@ def _chunks(src: Union[IO[bytes], Iterable[bytes]], size: int = 64 << 10) -> Ite
             yield b.encode() if isinstance(b, str) else b
 
 
+def _whole(name: str, v: Any) -> int:
+    """v, which must be an int (not a bool); the daemon checks its range."""
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"{name} must be an int, not {type(v).__name__}")
+    return v
+
+
 def _create_body(
     snapshot_tag: str,
     n: int,
@@ -151,6 +158,8 @@ def _create_body(
     guest_pids_limit: int,
     keep_partial: bool,
     on_unresponsive: str,
+    disk_mib: int = 0,
+    idle_freeze_secs: int = 0,
 ) -> Dict[str, Any]:
     body: Dict[str, Any] = {"snapshot_tag": snapshot_tag}
     body.update(
@@ -163,6 +172,8 @@ def _create_body(
                 "guest_pids_limit": guest_pids_limit,
                 "keep_partial": keep_partial,
                 "on_unresponsive": on_unresponsive,
+                "disk_mib": _whole("disk_mib", disk_mib),
+                "idle_freeze_secs": _whole("idle_freeze_secs", idle_freeze_secs),
             }
         )
     )
@@ -406,11 +417,20 @@ class Controller:
         guest_pids_limit: int = 0,
         keep_partial: bool = False,
         on_unresponsive: str = "",
+        disk_mib: int = 0,
+        idle_freeze_secs: int = 0,
     ) -> CreateSandboxesResponse:
         """Forks ``n`` sandboxes of a snapshot; returns once all are ready. The
         batch is all or nothing unless ``keep_partial``. ``timeout_secs`` > 0
-        kills each that long after it became ready."""
-        body = _create_body(snapshot_tag, n, timeout_secs, metadata, limits, network, guest_pids_limit, keep_partial, on_unresponsive)
+        kills each that long after it became ready. ``disk_mib`` (64 to
+        1048576) gives each a writable disk for its root file system;
+        ``idle_freeze_secs`` (1 to 86400, -1 never, 0 the daemon's) is how
+        long each may sit idle before the daemon freezes it (any call wakes
+        it)."""
+        body = _create_body(
+            snapshot_tag, n, timeout_secs, metadata, limits, network, guest_pids_limit, keep_partial, on_unresponsive,
+            disk_mib, idle_freeze_secs,
+        )
         return CreateSandboxesResponse.from_dict(self._call("POST", "/v1/sandboxes", body, timeout=None))
 
     def create_sandbox(self, snapshot_tag: str, **kw: Any) -> Sandbox:
@@ -482,9 +502,12 @@ class Controller:
         network: Union[NetworkSpec, Mapping[str, Any], None] = None,
         keep_partial: bool = False,
         on_unresponsive: str = "",
+        idle_freeze_secs: int = 0,
     ) -> CreateSandboxesResponse:
         """Forks ``count`` sandboxes from the running sandbox's current state
-        (a snapshot of their own, gone with the last of them)."""
+        (a snapshot of their own, gone with the last of them). They get the
+        source's disk, if it has one; ``idle_freeze_secs`` as in
+        create_sandboxes."""
         body = _drop_empty(
             {
                 "count": count,
@@ -494,6 +517,7 @@ class Controller:
                 "network": _model(network),
                 "keep_partial": keep_partial,
                 "on_unresponsive": on_unresponsive,
+                "idle_freeze_secs": _whole("idle_freeze_secs", idle_freeze_secs),
             }
         )
         if limits is not None:

@@ -631,14 +631,18 @@ class Sandbox:
         network: Union[NetworkSpec, Mapping[str, Any], None] = None,
         guest_pids_limit: int = 0,
         on_unresponsive: str = "",
+        disk_mib: int = 0,
+        idle_freeze_secs: int = 0,
     ) -> "Sandbox":
         """Forks a sandbox of snapshot ``template``. It is killed ``timeout``
         seconds after it is ready (default 300, as E2B; None or 0: never).
-        ``envs`` become the default environment of its commands."""
+        ``envs`` become the default environment of its commands.
+        ``disk_mib`` and ``idle_freeze_secs``: see Controller.create_sandboxes."""
         c = cls._controller(controller, url, token, socket)
         s = c.create_sandbox(
             template, timeout_secs=int(timeout or 0), metadata=metadata, limits=limits, network=network,
             guest_pids_limit=guest_pids_limit, on_unresponsive=on_unresponsive,
+            disk_mib=disk_mib, idle_freeze_secs=idle_freeze_secs,
         )
         return cls(s.id, c, envs, s)
 
@@ -761,10 +765,14 @@ class Sandbox:
         mode: Optional[str] = None,
         timeout: Optional[int] = DEFAULT_SANDBOX_TIMEOUT,
         metadata: Optional[Mapping[str, str]] = None,
+        *,
+        idle_freeze_secs: int = 0,
     ) -> List["Sandbox"]:
         """``n`` new sandboxes from this one's current state (memory,
-        files, processes); they keep this sandbox's envs."""
-        res = self._c.fork_from(self.sandbox_id, n, mode=mode, timeout_secs=int(timeout or 0), metadata=metadata)
+        files, processes, disk); they keep this sandbox's envs."""
+        res = self._c.fork_from(
+            self.sandbox_id, n, mode=mode, timeout_secs=int(timeout or 0), metadata=metadata, idle_freeze_secs=idle_freeze_secs
+        )
         return [type(self)(s.id, self._c, self.envs, s) for s in res.sandboxes]
 
     # -- network --

@@ -282,8 +282,11 @@ class Limits(Model):
 
 @dataclasses.dataclass
 class Sandbox(Model):
-    """One child VM. ``status``: starting, running, unresponsive, dead,
-    oom. The limits in force sit in the sandbox itself."""
+    """One child VM. ``status``: starting, running, unresponsive, frozen
+    (idle, its VMM stopped until the next call), dead, oom. The limits in
+    force sit in the sandbox itself; ``disk_mib`` is its writable disk (0:
+    none), ``idle_freeze_secs`` its own idle time before a freeze (0: the
+    daemon's, -1 never)."""
 
     id: str = ""
     snapshot_tag: str = ""
@@ -301,6 +304,8 @@ class Sandbox(Model):
     io_write_bps: int = 0
     network: Optional[SandboxNetwork] = None
     on_unresponsive: str = ""
+    disk_mib: int = 0
+    idle_freeze_secs: int = 0
 
 
 @dataclasses.dataclass

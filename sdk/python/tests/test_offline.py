@@ -173,6 +173,22 @@ class FakeDaemonTest(unittest.TestCase):
         self.assertNotIn("Authorization", req["headers"])
         self.assertEqual(json.loads(req["body"]), {"snapshot_tag": "base", "metadata": {"k": "v"}, "memory_limit_mib": 512})
 
+    def test_disk_and_idle_freeze(self) -> None:
+        answer = json.dumps({"sandboxes": [{"id": "sb-x", "status": "frozen", "disk_mib": 256, "idle_freeze_secs": -1}], "wall_ms": 1.5}).encode()
+        Recorder.script = [(201, {}, answer), (201, {}, answer)]
+        with Controller(socket=self.sock, token="") as c:
+            sb = c.create_sandbox("base", disk_mib=256, idle_freeze_secs=-1)
+            self.assertEqual((sb.status, sb.disk_mib, sb.idle_freeze_secs), ("frozen", 256, -1))
+            c.fork_from("sb-x", 2, idle_freeze_secs=30)
+            for bad in (True, 1.5, "30"):
+                with self.assertRaises(TypeError):
+                    c.create_sandbox("base", idle_freeze_secs=bad)
+                with self.assertRaises(TypeError):
+                    c.create_sandbox("base", disk_mib=bad)
+        self.assertEqual(len(Recorder.seen), 2)  # nothing sent for bad arguments
+        self.assertEqual(json.loads(Recorder.seen[0]["body"]), {"snapshot_tag": "base", "disk_mib": 256, "idle_freeze_secs": -1})
+        self.assertEqual((Recorder.seen[1]["path"], json.loads(Recorder.seen[1]["body"])), ("/v1/sandboxes/sb-x/fork", {"count": 2, "idle_freeze_secs": 30}))
+
     def test_token_query_and_keepalive(self) -> None:
         Recorder.script = [(200, {}, b'{"sandboxes": []}')]
         with Controller(url=self.url, token="t0k") as c:

@@ -56,6 +56,10 @@ export interface SandboxOpts extends SandboxConnectionOpts {
   guestPidsLimit?: number
   /** What to do when its agent stops answering: keep (default) or kill. */
   onUnresponsive?: 'keep' | 'kill'
+  /** A writable disk for its root file system, 64 to 1048576 MiB (default: none, writes live in guest RAM). */
+  diskMiB?: number
+  /** Idle seconds before the daemon freezes it (any call wakes it): 1 to 86400, -1 never; default: the daemon's. */
+  idleFreezeSecs?: number
 }
 
 /** A sandbox as listed or described. */
@@ -63,7 +67,7 @@ export interface SandboxInfo {
   sandboxId: string
   /** The snapshot it was forked from. */
   templateId: string
-  /** starting, running, unresponsive, dead, oom. */
+  /** starting, running, unresponsive, frozen (idle, woken by the next call), dead, oom. */
   state: string
   startedAt: Date
   /** When the daemon kills it, if ever. */
@@ -135,6 +139,8 @@ export interface ForkOpts extends SandboxRequestOpts {
   metadata?: Record<string, string>
   network?: NetworkSpec
   limits?: Limits
+  /** As SandboxOpts.idleFreezeSecs; the children get this sandbox's disk. */
+  idleFreezeSecs?: number
 }
 
 /** Options of branch. */
@@ -145,6 +151,12 @@ export interface BranchOpts extends SandboxRequestOpts {
   mode?: BranchMode
   /** false: return at once with the snapshot writing. */
   wait?: boolean
+}
+
+/** wholeOpt returns v when it is absent or an integer; the daemon checks its range. */
+function wholeOpt(name: string, v: number | undefined): number | undefined {
+  if (v !== undefined && !Number.isSafeInteger(v)) throw new TypeError(`${name} must be an integer, not ${JSON.stringify(v)}`)
+  return v
 }
 
 function lifetimeSecs(o: { timeoutMs?: number; timeout?: number }): number {
@@ -233,6 +245,10 @@ export class Sandbox {
       if (o.network) req.network = o.network
       if (o.guestPidsLimit) req.guest_pids_limit = o.guestPidsLimit
       if (o.onUnresponsive) req.on_unresponsive = o.onUnresponsive
+      const disk = wholeOpt('diskMiB', o.diskMiB)
+      if (disk) req.disk_mib = disk
+      const idle = wholeOpt('idleFreezeSecs', o.idleFreezeSecs)
+      if (idle) req.idle_freeze_secs = idle
       const res = await ctl.createSandboxes(req, { signal: o.signal })
       const s = res.sandboxes[0]
       if (!s) throw new NotFoundError('create answered without a sandbox', 0)
@@ -423,6 +439,7 @@ export class Sandbox {
   async fork(countOrOpts: number | ForkOpts = 1): Promise<Sandbox[]> {
     const o: ForkOpts = typeof countOrOpts === 'number' ? { count: countOrOpts } : countOrOpts
     const t = lifetimeSecs(o)
+    const idle = wholeOpt('idleFreezeSecs', o.idleFreezeSecs)
     const res = await this.controller.forkFrom(
       this.sandboxId,
       {
@@ -432,6 +449,7 @@ export class Sandbox {
         ...(t ? { timeout_secs: t } : {}),
         ...(o.metadata ? { metadata: o.metadata } : {}),
         ...(o.network ? { network: o.network } : {}),
+        ...(idle ? { idle_freeze_secs: idle } : {}),
       },
       { signal: o.signal },
     )

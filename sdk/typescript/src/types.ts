@@ -187,6 +187,10 @@ export interface CreateSandboxesRequest extends Limits {
   keep_partial?: boolean
   /** "keep" or "kill"; absent follows the daemon's --unresponsive. */
   on_unresponsive?: string
+  /** A writable disk per sandbox for its root file system, 64 to 1048576 MiB. */
+  disk_mib?: number
+  /** Idle seconds before the daemon freezes each (any call wakes it): 1 to 86400, -1 never; absent: the daemon's. */
+  idle_freeze_secs?: number
 }
 
 export interface CreateSandboxesResponse {
@@ -200,7 +204,7 @@ export interface ChildFailure {
   error: ApiErrorBody
 }
 
-export type SandboxStatus = 'starting' | 'running' | 'unresponsive' | 'building' | 'dead' | 'oom'
+export type SandboxStatus = 'starting' | 'running' | 'unresponsive' | 'frozen' | 'building' | 'dead' | 'oom'
 
 /** One child VM. */
 export interface Sandbox extends Limits {
@@ -214,6 +218,10 @@ export interface Sandbox extends Limits {
   metadata?: Record<string, string>
   network?: SandboxNetwork
   on_unresponsive?: string
+  /** Its writable disk (absent: none). */
+  disk_mib?: number
+  /** Its own idle time before a freeze (absent: the daemon's; -1 never). */
+  idle_freeze_secs?: number
 }
 
 export interface SandboxList {
@@ -356,6 +364,9 @@ export interface ForkRequest extends Limits {
   network?: NetworkSpec
   keep_partial?: boolean
   on_unresponsive?: string
+  /** 0 or the source's disk size (its children get its disk). */
+  disk_mib?: number
+  idle_freeze_secs?: number
 }
 
 /** Answers GET /v1/snapshots/{tag}/info. */

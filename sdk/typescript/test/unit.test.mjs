@@ -21,6 +21,7 @@ import {
   NotImplementedError,
   RateLimitError,
   ResourceExhaustedError,
+  Sandbox,
   SandboxError,
   TimeoutError,
   UnauthenticatedError,
@@ -354,6 +355,25 @@ for (const kind of ['tcp', 'unix']) {
     test('a daemon that is not there is unavailable (status 0)', async () => {
       const c = new Controller({ url: kind === 'tcp' ? 'http://127.0.0.1:1' : 'unix:///nonexistent/forkd.sock', env: {}, retry: { maxRetries: 0 } })
       await assert.rejects(c.health(), (e) => e instanceof UnavailableError && e.status === 0)
+      c.close()
+    })
+
+    test('disk and idle-freeze options reach the create and fork bodies; non-integers are refused unsent', async () => {
+      fake.seen.length = 0
+      handler = (req, res) =>
+        json(res, 201, { sandboxes: [{ id: 'sb-aaaaaaaaaa', status: 'frozen', disk_mib: 256, idle_freeze_secs: -1 }], wall_ms: 1 })
+      const c = ctl()
+      const sb = await Sandbox.create('base', { controller: c, timeoutMs: 0, diskMiB: 256, idleFreezeSecs: -1 })
+      await sb.fork({ count: 2, timeoutMs: 0, idleFreezeSecs: 30 })
+      for (const bad of [1.5, '30', true, NaN]) {
+        await assert.rejects(Sandbox.create('base', { controller: c, idleFreezeSecs: bad }), TypeError)
+        await assert.rejects(Sandbox.create('base', { controller: c, diskMiB: bad }), TypeError)
+        await assert.rejects(sb.fork({ idleFreezeSecs: bad }), TypeError)
+      }
+      assert.equal(fake.seen.length, 2)
+      assert.deepEqual(JSON.parse(fake.seen[0].body), { snapshot_tag: 'base', n: 1, disk_mib: 256, idle_freeze_secs: -1 })
+      assert.equal(fake.seen[1].url, '/v1/sandboxes/sb-aaaaaaaaaa/fork')
+      assert.deepEqual(JSON.parse(fake.seen[1].body), { count: 2, idle_freeze_secs: 30 })
       c.close()
     })
 

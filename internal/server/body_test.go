@@ -187,15 +187,17 @@ func chunks(s string, n int) [][]byte {
 // moving may take longer than either, and a streamed exec's stdin is not
 // timed at all once its head has arrived.
 func TestBodyDeadlines(t *testing.T) {
-	const timeout, stall = time.Second, 300 * time.Millisecond
+	// Bounds well apart from the pauses below: on a loaded host a 200 ms
+	// sleep has taken over 300 ms.
+	const timeout, stall = 2 * time.Second, time.Second
 	d := startDaemon(t, fakeNoVMs{}, sandbox.Admission{}, func(_ *sandbox.Config, c *Config) {
 		c.BodyTimeout, c.BodyStallTimeout = timeout, stall
 	})
 	body := `{"snapshot_tag":"base","metadata":{"k":"` + strings.Repeat("v", 100) + `"}}`
 
-	// Trickling: a chunk every 200 ms, 3 s in all.
+	// Trickling: a chunk every 100 ms, 3 s in all.
 	start := time.Now()
-	code, b := d.callCT(t, "POST", "/v1/sandboxes", "application/json", &slowReader{chunks: chunks(body, len(body)/15+1), pause: 200 * time.Millisecond})
+	code, b := d.callCT(t, "POST", "/v1/sandboxes", "application/json", &slowReader{chunks: chunks(body, len(body)/30+1), pause: 100 * time.Millisecond})
 	if e := apiError(t, b); code != http.StatusRequestTimeout || e.Code != "deadline_exceeded" || !strings.Contains(e.Message, "did not arrive within "+timeout.String()) {
 		t.Errorf("trickled body: %d %s, want 408", code, b)
 	}
@@ -214,7 +216,7 @@ func TestBodyDeadlines(t *testing.T) {
 	}
 
 	// An upload (no VM here, so the bounded reader is served directly)
-	// taking 3× the body timeout but never stalling is read whole; one
+	// taking 2× the body timeout but never stalling is read whole; one
 	// that stalls is cut.
 	upload := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		dl := d.srv.bodyDeadline(w, r, 0)
@@ -249,9 +251,9 @@ func TestBodyDeadlines(t *testing.T) {
 		pause time.Duration
 		want  int
 	}{
-		{upload.URL, 10, stall / 2, http.StatusOK}, // 1.35 s in all
+		{upload.URL, 20, stall / 5, http.StatusOK}, // 3.8 s in all
 		{upload.URL, 2, 2 * stall, http.StatusRequestTimeout},
-		{localUpload.URL, 3, 2 * stall, http.StatusOK}, // stalls, and 1.2 s in all
+		{localUpload.URL, 2, 2 * stall, http.StatusOK}, // stalls 2 s, past the stall bound and the timeout
 	} {
 		req, _ := http.NewRequest("PUT", c.url, &slowReader{chunks: chunks(strings.Repeat("x", 100*c.n), 100), pause: c.pause})
 		req.ContentLength = int64(100 * c.n)

@@ -90,15 +90,22 @@ func TestForkBombUnderCPULimit(t *testing.T) {
 		if cerr := c.Err(); cerr != nil {
 			t.Fatalf("run %d: the agent session ended: %v", i, cerr)
 		}
-		// The next run starts once the agent has killed this bomb.
+		// The next run starts once the agent has killed this bomb. The
+		// agent reads the count itself: a probe of its own would need a
+		// fork, which the bomb's last tasks may still make fail.
 		for deadline := time.Now().Add(2 * time.Minute); ; time.Sleep(time.Second) {
-			// Tasks of the guest's workload (this probe included).
-			out, code := run(t, e, id, "cat /sys/fs/cgroup/workload/pids.current")
-			if n, _ := strconv.Atoi(strings.TrimSpace(out)); code == 0 && n < 5 {
+			var pids strings.Builder
+			rctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+			_, err := c.ReadFile(rctx, "/sys/fs/cgroup/workload/pids.current", &pids)
+			cancel()
+			if err != nil {
+				t.Fatalf("run %d: read the workload's task count: %v", i, err)
+			}
+			if n, err := strconv.Atoi(strings.TrimSpace(pids.String())); err == nil && n < 5 {
 				break
 			}
 			if time.Now().After(deadline) {
-				t.Fatalf("run %d: the bomb still runs 2 min after its timeout: %s processes", i, strings.TrimSpace(out))
+				t.Fatalf("run %d: the bomb still runs 2 min after its timeout: %s tasks", i, strings.TrimSpace(pids.String()))
 			}
 		}
 		t.Logf("run %d: exec %v (exit %d, timed out %v, %q), slowest ping %v, resends so far %d",

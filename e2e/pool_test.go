@@ -2,8 +2,10 @@ package e2e
 
 import (
 	"encoding/json"
+	"fmt"
 	"net"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -67,9 +69,27 @@ func TestServePoolLeavesNothing(t *testing.T) {
 	}
 	testutil.Check(t, os.RemoveAll(c.data))
 	other := t.TempDir()
-	runEnv(t, append(slices.Clone(c.env), "FORKD_DATA="+other), "ls")
-	if left := hostLeft(hn.Prefix, run); !left.empty() {
-		t.Errorf("after the data dir was deleted and another forkd ran: %+v", left)
+	// Other tests' forkd processes reclaim too, and may be halfway when
+	// this one looks (in CI the first ls once left one VMM and both
+	// namespaces): a later command must finish the job.
+	var outs []string
+	for attempt := 1; ; attempt++ {
+		cmd := exec.Command(forkdBin, "ls")
+		cmd.Env = append(slices.Clone(c.env), "FORKD_DATA="+other)
+		out, err := cmd.CombinedOutput()
+		outs = append(outs, fmt.Sprintf("ls %d (%v): %s", attempt, err, out))
+		left := hostLeft(hn.Prefix, run)
+		if err == nil && left.empty() {
+			if attempt > 1 {
+				t.Logf("reclaimed by the forkd command %d after the deletion:\n%s", attempt, strings.Join(outs, "\n"))
+			}
+			break
+		}
+		if attempt == 3 {
+			t.Errorf("after the data dir was deleted and %d forkd commands ran: %+v\n%s", attempt, left, strings.Join(outs, "\n"))
+			break
+		}
+		time.Sleep(2 * time.Second)
 	}
 }
 

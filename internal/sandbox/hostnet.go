@@ -186,7 +186,7 @@ func reclaimStale(owner func(int) string, own int, log *slog.Logger) {
 			continue
 		}
 		if err := reclaimHostNet(hn, log); err != nil {
-			log.Info("keep what a removed data dir left on the host", "prefix", hn.Prefix, "err", err)
+			log.Warn("keep what a removed data dir left on the host", "prefix", hn.Prefix, "err", err)
 			continue
 		}
 		log.Warn("reclaimed the namespaces, VMMs and cgroups a removed data dir left on the host", "prefix", hn.Prefix)

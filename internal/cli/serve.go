@@ -81,7 +81,7 @@ missing). A non-loopback --listen needs TLS (--tls-cert/--tls-key) unless
 	f.BoolVar(&o.allowPlaintext, "allow-plaintext", false, "allow a non-loopback --listen without TLS")
 	f.IntVar(&o.maxSandboxes, "max-sandboxes", 256, fmt.Sprintf("live sandboxes in total, 1 to %d (0 = no limit)", maxServeSandboxes))
 	f.IntVar(&o.maxPerRequest, "max-per-request", 100, fmt.Sprintf("sandboxes one request may create, 1 to %d", maxServePerRequest))
-	f.IntVar(&o.maxParallel, "max-parallel-restores", 0, fmt.Sprintf("restores running at once, 1 to %d (0 = 2 × CPUs)", maxServeParallel))
+	f.IntVar(&o.maxParallel, "max-parallel-restores", 0, fmt.Sprintf("restores running at once, 1 to %d (0 = CPUs under TCG, 2 × CPUs with KVM)", maxServeParallel))
 	f.IntVar(&o.maxPending, "max-pending-restores", 1024, fmt.Sprintf("children admitted but not yet ready, all requests together, 1 to %d (0 = no limit)", maxServeSandboxes))
 	f.IntVar(&o.pool, "pool", min(2*runtime.NumCPU(), maxServePool), fmt.Sprintf("VMMs kept parked (~16 MiB each) for each of the 4 snapshots forked most recently, 0 (none) to %d", maxServePool))
 	f.IntVar(&o.maxPorts, "max-ports-per-sandbox", sandbox.DefaultMaxPortsPerSandbox, fmt.Sprintf("host ports one sandbox may publish, 1 to %d", maxServePorts))
@@ -136,7 +136,7 @@ func (o serveOptions) validate() error {
 	}{
 		{"--max-sandboxes", int64(o.maxSandboxes), 1, maxServeSandboxes, "no limit"},
 		{"--max-per-request", int64(o.maxPerRequest), 1, maxServePerRequest, ""},
-		{"--max-parallel-restores", int64(o.maxParallel), 1, maxServeParallel, "2 × CPUs"},
+		{"--max-parallel-restores", int64(o.maxParallel), 1, maxServeParallel, "CPUs under TCG, 2 × CPUs with KVM"},
 		{"--max-pending-restores", int64(o.maxPending), 1, maxServeSandboxes, "no limit"},
 		{"--pool", int64(o.pool), 0, maxServePool, ""},
 		{"--max-branches", int64(o.maxBranches), 1, 64, ""},

@@ -65,7 +65,8 @@ type Config struct {
 	// rollback.
 	Fault func(step string) error
 	// MaxParallel bounds concurrent restores across all of the engine's
-	// forks (default 2 × CPU count).
+	// forks (default: the CPU count under emulation, twice it with a
+	// hardware accelerator; see DefaultMaxParallel).
 	MaxParallel int
 	// MaxChildren bounds one fork request (default 1000).
 	MaxChildren int
@@ -203,6 +204,19 @@ func (k *keyedLocks) held() int {
 	return len(k.m)
 }
 
+// DefaultMaxParallel is how many restores run at once by default. Under
+// emulation (TCG) a restore is CPU-bound, so more restores than CPUs only
+// share them: fork of 50 on 2 cores took 13.8–14.6 s with 2 at once
+// against 14.5–19.3 s with 4, each child ready in 0.57 s p50 against
+// 1.1–1.6 s. With KVM a restore waits more than it computes, and twice
+// the CPUs keep them busy.
+func DefaultMaxParallel(b vmm.Backend) int {
+	if b.Capabilities().Accelerator == "tcg" {
+		return runtime.NumCPU()
+	}
+	return 2 * runtime.NumCPU()
+}
+
 // New opens the data dir.
 func New(cfg Config) (*Engine, error) {
 	if cfg.DataDir == "" {
@@ -212,7 +226,7 @@ func New(cfg Config) (*Engine, error) {
 		return nil, errdefs.InvalidArgument("no VMM backend")
 	}
 	if cfg.MaxParallel <= 0 {
-		cfg.MaxParallel = 2 * runtime.NumCPU()
+		cfg.MaxParallel = DefaultMaxParallel(cfg.Backend)
 	}
 	if cfg.MaxChildren <= 0 {
 		cfg.MaxChildren = DefaultMaxChildren

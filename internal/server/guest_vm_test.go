@@ -188,7 +188,10 @@ func TestGuestProtectsItselfVM(t *testing.T) {
 			}()
 			return func() { close(done); <-finished }
 		}
-		bomb := apiv1.ExecRequest{Shell: "bomb() { bomb | bomb & }; bomb; sleep 10", TimeoutSecs: 30}
+		// The exec lasts until its timeout (the bomb's tasks keep its
+		// output open); 341 tasks took over 30 s to reach in a CI guest
+		// on a loaded host.
+		bomb := apiv1.ExecRequest{Shell: "bomb() { bomb | bomb & }; bomb; sleep 10", TimeoutSecs: 60}
 		for _, limit := range []int{64, 0} {
 			id := sandboxOf(t, apiv1.CreateSandboxesRequest{GuestPIDsLimit: limit})
 			r, err := c.Exec(ctx, id, apiv1.ExecRequest{Shell: "cat /sys/fs/cgroup/workload/pids.max"})

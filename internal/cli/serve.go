@@ -39,7 +39,7 @@ type serveOptions struct {
 	allowImageScripts           bool
 	maxSandboxes, maxPerRequest int
 	maxParallel, maxPending     int
-	pool, maxPorts              int
+	pool, poolMax, maxPorts     int
 	maxBody, maxBodyInFlight    int64
 	auditLog, importDir         string
 	exportDir                   string
@@ -83,7 +83,8 @@ missing). A non-loopback --listen needs TLS (--tls-cert/--tls-key) unless
 	f.IntVar(&o.maxPerRequest, "max-per-request", 100, fmt.Sprintf("sandboxes one request may create, 1 to %d", maxServePerRequest))
 	f.IntVar(&o.maxParallel, "max-parallel-restores", 0, fmt.Sprintf("restores running at once, 1 to %d (0 = CPUs under TCG, 2 × CPUs with KVM)", maxServeParallel))
 	f.IntVar(&o.maxPending, "max-pending-restores", 1024, fmt.Sprintf("children admitted but not yet ready, all requests together, 1 to %d (0 = no limit)", maxServeSandboxes))
-	f.IntVar(&o.pool, "pool", min(2*runtime.NumCPU(), maxServePool), fmt.Sprintf("VMMs kept parked (~16 MiB each) for each of the 4 snapshots forked most recently, 0 (none) to %d", maxServePool))
+	f.IntVar(&o.pool, "pool", min(2*runtime.NumCPU(), maxServePool), fmt.Sprintf("VMMs kept restored and stopped (~25 MiB each, no CPU) for each of the 4 snapshots forked most recently, 0 (none) to %d", maxServePool))
+	f.IntVar(&o.poolMax, "pool-max", defaultServePoolMax, fmt.Sprintf("VMMs kept in all pools together, 0 to %d: a snapshot's pool grows to its largest fork of the last 10 minutes within this bound (never below --pool), and is not refilled while the host has under a fifth of its memory available", maxServePoolMax))
 	f.IntVar(&o.maxPorts, "max-ports-per-sandbox", sandbox.DefaultMaxPortsPerSandbox, fmt.Sprintf("host ports one sandbox may publish, 1 to %d", maxServePorts))
 	f.Int64Var(&o.maxBody, "max-body-bytes", 1<<20, "largest JSON request body, 1024 (1 KiB) to 67108864 (64 MiB)")
 	f.Int64Var(&o.maxBodyInFlight, "max-body-bytes-in-flight", server.DefaultMaxBodyBytesInFlight,
@@ -113,12 +114,17 @@ const (
 	maxServePerRequest = 1000 // the engine's largest fork
 	maxServeParallel   = 1024
 	maxServePool       = 64
+	maxServePoolMax    = 1000
 	maxServePorts      = 1000
 	minServeBody       = 1 << 10
 	maxServeBody       = 64 << 20
 	maxServeInFlight   = 4 << 30
 	maxServeGrace      = time.Hour
 )
+
+// defaultServePoolMax lets a fork of the default --max-per-request find
+// its pool full the next time.
+const defaultServePoolMax = 100
 
 // validate checks the flags before serve touches anything.
 func (o serveOptions) validate() error {
@@ -139,6 +145,7 @@ func (o serveOptions) validate() error {
 		{"--max-parallel-restores", int64(o.maxParallel), 1, maxServeParallel, "CPUs under TCG, 2 × CPUs with KVM"},
 		{"--max-pending-restores", int64(o.maxPending), 1, maxServeSandboxes, "no limit"},
 		{"--pool", int64(o.pool), 0, maxServePool, ""},
+		{"--pool-max", int64(o.poolMax), 0, maxServePoolMax, ""},
 		{"--max-branches", int64(o.maxBranches), 1, 64, ""},
 		{"--max-ports-per-sandbox", int64(o.maxPorts), 1, maxServePorts, ""},
 		{"--max-body-bytes", o.maxBody, minServeBody, maxServeBody, ""},
@@ -271,6 +278,7 @@ func serve(ctx context.Context, g *globals, o serveOptions) error {
 		c.MaxChildren = o.maxPerRequest
 		c.MaxParallel = o.maxParallel
 		c.Pool = o.pool
+		c.PoolMax = o.poolMax
 		c.MaxPortsPerSandbox = o.maxPorts
 		c.Unresponsive = o.unresponsive
 		c.MaxBranches = o.maxBranches

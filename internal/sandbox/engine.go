@@ -54,10 +54,14 @@ type Config struct {
 	// resource limits.
 	Net     *netns.Manager
 	Cgroups *cgroup.Manager
-	// Pool, if positive, keeps that many VMMs parked for each of the
-	// snapshots forked most recently, for as long as the engine lives
-	// (forkd serve). Children with limits do not use them.
+	// Pool, if positive, keeps that many VMMs restored and stopped for
+	// each of the snapshots forked most recently, for as long as the
+	// engine lives (forkd serve). Children with limits do not use them.
 	Pool int
+	// PoolMax lets a snapshot's pool grow to its largest fork of the last
+	// ten minutes, with at most PoolMax VMMs in the pools of all
+	// snapshots together (never fewer than Pool for each of them).
+	PoolMax int
 	// Fault, if set, is called at each step of a child's creation
 	// ("recorded", "isolated", "restored", "published") and once a
 	// branch has switched its source's disk ("disk-switched"); an error
@@ -296,7 +300,7 @@ func New(cfg Config) (*Engine, error) {
 			Logger:    cfg.Logger,
 		},
 	}
-	e.pool = newPool(e, cfg.Pool)
+	e.pool = newPool(e, cfg.Pool, cfg.PoolMax)
 	if e.hub, err = e.newHub(); err != nil {
 		st.Close()
 		return nil, err

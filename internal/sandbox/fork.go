@@ -151,14 +151,21 @@ func (e *Engine) Fork(ctx context.Context, spec ForkSpec) (*ForkResult, error) {
 		wg.Add(1)
 		go func(c *Child) {
 			defer wg.Done()
+			// A pool entry, restored already, still counts as a restore
+			// while it wakes: a hundred guests woken at once each get so
+			// little CPU that their timers eat most of it.
+			pk := e.pool.take(snap, spec)
 			select {
 			case e.restores <- struct{}{}:
 			case <-ctx.Done():
 				c.ID, c.Err = id, ctx.Err()
+				if pk != nil {
+					e.pool.discardLater(pk)
+				}
 				return
 			}
 			defer func() { <-e.restores }()
-			*c = e.forkOne(ctx, snap, spec, id)
+			*c = e.forkOne(ctx, snap, spec, id, pk)
 			if spec.OnDone != nil {
 				spec.OnDone(*c)
 			}
@@ -166,7 +173,7 @@ func (e *Engine) Fork(ctx context.Context, spec ForkSpec) (*ForkResult, error) {
 	}
 	wg.Wait()
 	res.WallMS = msSince(start)
-	e.pool.refill(snap)
+	e.pool.refill(snap, spec.N)
 	var errs []error
 	for _, c := range res.Children {
 		if c.Err != nil {
@@ -226,9 +233,9 @@ func (e *Engine) Restorable(snap *snapshot.Snapshot) error {
 	return nil
 }
 
-// forkOne restores one child and waits for its agent. A child without
-// limits takes a parked VMM from the pool when one waits there.
-func (e *Engine) forkOne(ctx context.Context, snap *snapshot.Snapshot, spec ForkSpec, id string) (c Child) {
+// forkOne restores one child, or wakes pool entry pk as it when not nil,
+// and waits for its agent.
+func (e *Engine) forkOne(ctx context.Context, snap *snapshot.Snapshot, spec ForkSpec, id string, pk *parkedVMM) (c Child) {
 	start := time.Now()
 	c.ID = id
 	sb := &state.Sandbox{
@@ -273,11 +280,12 @@ func (e *Engine) forkOne(ctx context.Context, snap *snapshot.Snapshot, spec Fork
 	defer cancel()
 	var m vmm.Machine
 	var err error
-	if pk := e.pool.take(snap, spec); pk != nil {
-		m, err = e.restoreParked(rctx, snap, spec, sb, pk)
+	if pk != nil {
+		m, err = e.restoreParked(rctx, spec, sb, pk)
 	} else {
 		m, err = e.restoreFresh(rctx, snap, spec, sb)
 	}
+	restored := time.Now()
 	if m != nil {
 		undo.Add(func() error { return m.Stop(undoCtx) })
 	}
@@ -300,6 +308,7 @@ func (e *Engine) forkOne(ctx context.Context, snap *snapshot.Snapshot, spec Fork
 	if err != nil {
 		return fail(err)
 	}
+	dialed := time.Now()
 	if spec.GuestPIDsLimit > 0 && !slices.Contains(client.Features(), proto.FeatureLimits) {
 		client.Close()
 		return fail(errdefs.FailedPrecondition("guest pids limit: the agent of snapshot %s cannot apply it (made with an older agent; snapshot it again)", spec.Tag))
@@ -324,6 +333,8 @@ func (e *Engine) forkOne(ctx context.Context, snap *snapshot.Snapshot, spec Fork
 		}
 	}
 	c.ReadyMS = msSince(start)
+	e.log.Debug("child ready", "sandbox", id, "pooled", pk != nil, "restore_ms", restored.Sub(start).Milliseconds(),
+		"dial_ms", dialed.Sub(restored).Milliseconds(), "init_ms", time.Since(dialed).Milliseconds())
 	sb.Status = state.StatusRunning
 	sb.ReadyMS = int64(c.ReadyMS)
 	if spec.Timeout > 0 {

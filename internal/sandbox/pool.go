@@ -5,10 +5,13 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"os"
 	"path/filepath"
 	"sync"
+	"syscall"
 	"time"
 
+	"github.com/forkd/forkd/internal/agent"
 	"github.com/forkd/forkd/internal/cleanup"
 	"github.com/forkd/forkd/internal/proc"
 	"github.com/forkd/forkd/internal/snapshot"
@@ -16,54 +19,100 @@ import (
 	"github.com/forkd/forkd/internal/vmm"
 )
 
-// pool keeps VMM processes parked (waiting for a snapshot's device state)
-// for the snapshots forked most recently, so that a fork skips starting
-// its VMM. A parked VMM already maps the snapshot's memory and, for a
-// snapshot with a NIC, sits in its own network namespace with the default
-// egress policy; children with resource limits never use the pool (their
-// cgroup must be in place when the VMM starts).
+// pool keeps VMMs ready for the snapshots forked most recently, so that a
+// fork skips starting its VMM and restoring into it. A pool entry is a VMM
+// that restored the snapshot, whose agent answered and ran one command
+// (so that under TCG the guest's exec path is translated already), and
+// that was then stopped (SIGSTOP: no CPU, no wake-ups). For a snapshot
+// with a NIC it sits in its own network namespace with the default egress
+// policy. A fork that takes one gives it the child's id and policy, lets
+// it run again and tells its agent the time, fresh entropy and who it is,
+// as after any restore. Children with resource limits never use the pool
+// (their cgroup must be in place when the VMM starts).
 //
-// Parked VMMs are recorded (status parked) so that their run dirs and
-// network slots are owned; they belong to this process: a daemon that
-// stops discards them, and reconcile removes those a crash left.
+// A snapshot's pool is Config.Pool entries, or as many as its largest fork
+// in the last poolDemandWindow asked for, up to Config.PoolMax entries
+// over all snapshots; it is refilled after each fork, in the background,
+// with the CPU nothing else wants (SCHED_IDLE, as root), and never while the host has less than
+// a fifth of its memory available. Entries beyond what the recent demand
+// asks for are discarded by a trim every poolTrimEvery.
+//
+// Entries are recorded (status parked) so that their run dirs and network
+// slots are owned; they belong to this process: a daemon that stops
+// discards them, and reconcile removes those a crash left.
 type pool struct {
 	e    *Engine
-	size int // parked VMMs kept per snapshot
+	size int // entries kept per snapshot without demand
+	max  int // entries over all snapshots, at most
 
-	bg sync.WaitGroup // discards and drops running in the background
+	slots chan struct{}  // one token per park in progress
+	bg    sync.WaitGroup // discards, drops and the trimmer
+	stop  chan struct{}  // closed by close: the trimmer ends
 
 	mu      sync.Mutex // guards the fields below
 	entries map[string][]*parkedVMM
 	filling map[string]chan struct{} // closed when tag's filler ends
 	recent  []string                 // tags, most recently forked last; at most maxPoolTags
+	demand  map[string]poolDemand    // largest recent fork per tag
 	hits    int
 	closed  bool // set by close: nothing is parked any more
+}
+
+// poolDemand is the largest fork of a snapshot since at.
+type poolDemand struct {
+	n  int
+	at time.Time
 }
 
 // maxPoolTags bounds how many snapshots have parked VMMs at once.
 const maxPoolTags = 4
 
-// parkedVMM is one pool entry.
+// poolDemandWindow is how long a fork's size sets its snapshot's pool.
+const poolDemandWindow = 10 * time.Minute
+
+// poolTrimEvery is how often entries beyond the demand are discarded.
+const poolTrimEvery = time.Minute
+
+// poolSettleQuiet and poolSettleMax bound how long a pool entry settles
+// after its warm-up (see settle).
+const (
+	poolSettleQuiet = 200 * time.Millisecond
+	poolSettleMax   = 3 * time.Second
+)
+
+// poolMinFreeMemory is the share of the host's memory that must stay
+// available for the pool to park one more VMM.
+const poolMinFreeMemory = 0.2
+
+// parkedVMM is one pool entry: a restored VMM, stopped.
 type parkedVMM struct {
 	p    vmm.Parked
+	m    vmm.Machine
 	sb   *state.Sandbox
-	snap *snapshot.Snapshot // what it was parked for
+	snap *snapshot.Snapshot // what it was restored from
 }
 
-func newPool(e *Engine, size int) *pool {
+// newPool returns a pool of size entries per snapshot, growing with demand
+// up to max over all (at least size × maxPoolTags), or nil for a size of 0
+// or a backend that cannot park.
+func newPool(e *Engine, size, limit int) *pool {
 	if size <= 0 {
 		return nil
 	}
 	if _, ok := e.cfg.Backend.(vmm.Parker); !ok {
 		return nil
 	}
-	return &pool{e: e, size: size, entries: map[string][]*parkedVMM{}, filling: map[string]chan struct{}{}}
+	p := &pool{e: e, size: size, max: max(limit, size*maxPoolTags), slots: make(chan struct{}, 2*cap(e.restores)),
+		stop: make(chan struct{}), entries: map[string][]*parkedVMM{}, filling: map[string]chan struct{}{},
+		demand: map[string]poolDemand{}}
+	p.bg.Go(p.trimLoop)
+	return p
 }
 
-// take returns a parked VMM for a child of snap, or nil (always for a
-// child with limits or a disk, and for a nil pool). A VMM parked for an earlier
-// snapshot of the same tag, or one that died while parked, is never
-// handed out (it is discarded, and the child restores from scratch).
+// take returns a pool entry for a child of snap, or nil (always for a
+// child with limits or a disk, and for a nil pool). An entry of an earlier
+// snapshot of the same tag, or one that died meanwhile, is never handed
+// out (it is discarded, and the child restores from scratch).
 func (p *pool) take(snap *snapshot.Snapshot, spec ForkSpec) *parkedVMM {
 	if p == nil || spec.Limits != nil || spec.DiskMiB > 0 {
 		return nil
@@ -77,9 +126,14 @@ func (p *pool) take(snap *snapshot.Snapshot, spec ForkSpec) *parkedVMM {
 			p.hits++
 			return pk
 		}
-		p.bg.Go(func() { p.discardLogged(pk) })
+		p.discardLater(pk)
 	}
 	return nil
+}
+
+// discardLater discards pk in the background.
+func (p *pool) discardLater(pk *parkedVMM) {
+	p.bg.Go(func() { p.discardLogged(pk) })
 }
 
 // dropLater drops the pools of tags in the background: a fork's answer
@@ -95,10 +149,10 @@ func (p *pool) dropLater(tags []string) {
 }
 
 // restoreParked turns pk into the child sb: its record takes the child's
-// id, its network takes the child's policy, and the VMM loads snap. On
+// id, its network takes the child's policy, and its VMM runs again. On
 // failure the VMM is discarded; a record renamed to sb is the caller's to
 // release.
-func (e *Engine) restoreParked(ctx context.Context, snap *snapshot.Snapshot, spec ForkSpec, sb *state.Sandbox, pk *parkedVMM) (_ vmm.Machine, err error) {
+func (e *Engine) restoreParked(ctx context.Context, spec ForkSpec, sb *state.Sandbox, pk *parkedVMM) (_ vmm.Machine, err error) {
 	sb.Handle, sb.Net = pk.sb.Handle, pk.sb.Net
 	if err := e.state.Rename(pk.sb.ID, sb); err != nil {
 		// The record keeps the parked id, so nothing is the caller's: the
@@ -122,18 +176,23 @@ func (e *Engine) restoreParked(ctx context.Context, snap *snapshot.Snapshot, spe
 		pol, _ := json.Marshal(spec.Net.Policy)
 		sb.Net.Policy = pol
 	}
-	m, err := pk.p.Restore(ctx, vmm.RestoreSpec{StateFile: snap.StatePath()})
-	if err != nil {
-		return nil, err
+	id := sb.Handle.Process
+	if os.Geteuid() == 0 {
+		if err := proc.SetSched(id, proc.Normal); err != nil {
+			return nil, err
+		}
+	}
+	if err := proc.Signal(id, syscall.SIGCONT); err != nil {
+		return nil, fmt.Errorf("wake parked VMM: %w", err)
 	}
 	undo.Release()
-	return m, nil
+	return pk.m, nil
 }
 
-// refill tops tag's parked VMMs up to the pool size, in the background.
-// It makes tag the most recent and drops the pools of older tags beyond
-// maxPoolTags.
-func (p *pool) refill(snap *snapshot.Snapshot) {
+// refill tops tag's pool up to its size, in the background, after a fork
+// of n children. It makes tag the most recent and drops the pools of older
+// tags beyond maxPoolTags.
+func (p *pool) refill(snap *snapshot.Snapshot, n int) {
 	if layer, _ := snap.DiskLayer(); p == nil || layer != "" {
 		// Every child of a snapshot with a disk layer has a disk of its
 		// own, made when it forks.
@@ -146,6 +205,7 @@ func (p *pool) refill(snap *snapshot.Snapshot) {
 		p.mu.Unlock()
 		return
 	}
+	p.noteDemandLocked(snap.Tag, n, time.Now())
 	var evict []string
 	recent := []string{}
 	for _, t := range p.recent {
@@ -156,6 +216,7 @@ func (p *pool) refill(snap *snapshot.Snapshot) {
 	recent = append(recent, snap.Tag)
 	for len(recent) > maxPoolTags {
 		evict = append(evict, recent[0])
+		delete(p.demand, recent[0])
 		recent = recent[1:]
 	}
 	p.recent = recent
@@ -175,13 +236,7 @@ func (p *pool) refill(snap *snapshot.Snapshot) {
 			p.mu.Unlock()
 			close(done)
 		}()
-		for {
-			p.mu.Lock()
-			n, wanted := len(p.entries[snap.Tag]), p.wantedLocked(snap.Tag)
-			p.mu.Unlock()
-			if !wanted || n >= p.size {
-				return
-			}
+		for p.wantsOneMore(snap.Tag) {
 			pk, err := p.park(snap)
 			if err != nil {
 				p.e.log.Warn("park VMM", "snapshot", snap.Tag, "err", err)
@@ -201,6 +256,81 @@ func (p *pool) refill(snap *snapshot.Snapshot) {
 	}()
 }
 
+// noteDemandLocked records a fork of n children of tag at now: it sets
+// tag's demand unless a larger fork set it within poolDemandWindow.
+func (p *pool) noteDemandLocked(tag string, n int, now time.Time) {
+	if d := p.demand[tag]; n >= d.n || now.Sub(d.at) >= poolDemandWindow {
+		p.demand[tag] = poolDemand{n: n, at: now}
+	}
+}
+
+// targetLocked is how many entries tag's pool should hold now.
+func (p *pool) targetLocked(tag string, now time.Time) int {
+	n := p.size
+	if d, ok := p.demand[tag]; ok && now.Sub(d.at) < poolDemandWindow {
+		n = max(n, d.n)
+	}
+	return min(n, p.max)
+}
+
+// wantsOneMore reports whether tag's pool is below its target, the pool
+// as a whole below its bound, and the host's available memory above
+// poolMinFreeMemory.
+func (p *pool) wantsOneMore(tag string) bool {
+	p.mu.Lock()
+	total := 0
+	for _, es := range p.entries {
+		total += len(es)
+	}
+	ok := p.wantedLocked(tag) && len(p.entries[tag]) < p.targetLocked(tag, time.Now()) && total < p.max
+	p.mu.Unlock()
+	if !ok {
+		return false
+	}
+	avail, memTotal, err := proc.Memory()
+	if err != nil {
+		p.e.log.Warn("pool: host memory", "err", err)
+		return false
+	}
+	if float64(avail) < poolMinFreeMemory*float64(memTotal) {
+		p.e.log.Info("pool: not refilled, host memory low", "snapshot", tag, "available_mib", avail>>20)
+		return false
+	}
+	return true
+}
+
+// trimLoop discards, every poolTrimEvery until close, the entries beyond
+// each snapshot's target (those its demand asked for, once that demand is
+// older than poolDemandWindow).
+func (p *pool) trimLoop() {
+	t := time.NewTicker(poolTrimEvery)
+	defer t.Stop()
+	for {
+		select {
+		case <-p.stop:
+			return
+		case <-t.C:
+		}
+		p.trim(time.Now())
+	}
+}
+
+// trim discards the entries beyond each snapshot's target at now.
+func (p *pool) trim(now time.Time) {
+	var gone []*parkedVMM
+	p.mu.Lock()
+	for tag, es := range p.entries {
+		if n := p.targetLocked(tag, now); len(es) > n {
+			gone = append(gone, es[n:]...)
+			p.entries[tag] = es[:n]
+		}
+	}
+	p.mu.Unlock()
+	for _, pk := range gone {
+		p.discardLogged(pk)
+	}
+}
+
 func (p *pool) wantedLocked(tag string) bool {
 	for _, t := range p.recent {
 		if t == tag {
@@ -210,12 +340,13 @@ func (p *pool) wantedLocked(tag string) bool {
 	return false
 }
 
-// park starts one VMM for snap, recorded and isolated like a child
-// (without limits), within the engine's bound on concurrent restores.
+// park restores one VMM of snap into the pool, recorded and isolated like
+// a child (without limits), at most two per restore slot at once (it
+// runs as SCHED_IDLE), and stops it.
 func (p *pool) park(snap *snapshot.Snapshot) (_ *parkedVMM, err error) {
 	e := p.e
-	e.restores <- struct{}{}
-	defer func() { <-e.restores }()
+	p.slots <- struct{}{}
+	defer func() { <-p.slots }()
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	id := newID()
@@ -242,6 +373,11 @@ func (p *pool) park(snap *snapshot.Snapshot) (_ *parkedVMM, err error) {
 		return nil, err
 	}
 	defer done()
+	if os.Geteuid() == 0 {
+		// The VMM runs only on CPU nothing else wants until a fork
+		// takes it (only root may give it the usual class back then).
+		spec.Launch.Enter = append(spec.Launch.Enter, func() (func() error, error) { return proc.SchedThread(proc.Background) })
+	}
 	pk, err := e.cfg.Backend.(vmm.Parker).Park(ctx, spec)
 	if err != nil {
 		return nil, err
@@ -251,11 +387,78 @@ func (p *pool) park(snap *snapshot.Snapshot) (_ *parkedVMM, err error) {
 	if err := e.state.Put(sb); err != nil {
 		return nil, err
 	}
+	m, err := pk.Restore(ctx, vmm.RestoreSpec{StateFile: snap.StatePath()})
+	if err != nil {
+		return nil, err
+	}
+	if err := warm(ctx, m, id); err != nil {
+		return nil, err
+	}
+	if err := settle(ctx, sb.Handle.Process); err != nil {
+		return nil, err
+	}
+	if err := proc.Signal(sb.Handle.Process, syscall.SIGSTOP); err != nil {
+		return nil, err
+	}
 	undo.Release()
-	return &parkedVMM{p: pk, sb: sb, snap: snap}, nil
+	return &parkedVMM{p: pk, m: m, sb: sb, snap: snap}, nil
 }
 
-// discard stops a parked VMM and releases what it holds.
+// settle waits, up to poolSettleMax, until the VMM named by id used no
+// CPU over poolSettleQuiet (at its SCHED_IDLE class, a busy host may
+// delay that): what the guest still does after the warm-up (~90 ms of CPU
+// here: the command's exit, the agent's garbage) is then done before the
+// stop, not when a fork wakes it.
+func settle(ctx context.Context, id proc.Identity) error {
+	last, err := proc.CPUTime(id)
+	if err != nil {
+		return err
+	}
+	quietSince := time.Now()
+	for deadline := time.Now().Add(poolSettleMax); time.Now().Before(deadline); {
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(poolSettleQuiet / 4):
+		}
+		cpu, err := proc.CPUTime(id)
+		if err != nil {
+			return err
+		}
+		if cpu != last {
+			last, quietSince = cpu, time.Now()
+		} else if time.Since(quietSince) >= poolSettleQuiet {
+			return nil
+		}
+	}
+	return nil
+}
+
+// warm waits for the agent of m, a pool entry, and has it run true: under
+// TCG the guest's first exec after a restore costs a translation of its
+// whole exec path (~150–250 ms of CPU here), which the child that takes
+// the entry then does not pay.
+func warm(ctx context.Context, m vmm.Machine, id string) error {
+	c, err := DialAgent(ctx, m, agent.Options{})
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	if err := c.Init(ctx, initRequest(id, 0)); err != nil {
+		return fmt.Errorf("init: %w", err)
+	}
+	res, err := c.Exec(ctx, agent.ExecRequest{Args: []string{"true"}})
+	if err == nil && res.ExitCode != 0 {
+		err = fmt.Errorf("true exited %d", res.ExitCode)
+	}
+	if err != nil {
+		return fmt.Errorf("warm-up exec: %w", err)
+	}
+	return nil
+}
+
+// discard stops a pool entry's VMM (SIGKILL ends a stopped process too)
+// and releases what it holds.
 func (p *pool) discard(pk *parkedVMM) error {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
@@ -317,12 +520,15 @@ func (p *pool) dropTags(tags []string) error {
 	return errors.Join(errs...)
 }
 
-// close discards every parked VMM; refill parks none after it.
+// close discards every pool entry; refill parks none after it.
 func (p *pool) close() error {
 	if p == nil {
 		return nil
 	}
 	p.mu.Lock()
+	if !p.closed {
+		close(p.stop)
+	}
 	p.closed = true
 	tags := append([]string(nil), p.recent...)
 	for t := range p.entries {
@@ -334,8 +540,8 @@ func (p *pool) close() error {
 	return err
 }
 
-// PrimePool parks up to size VMMs for snapshot tag and waits (until ctx
-// ends) until they are all parked. It gives an engine without
+// PrimePool fills snapshot tag's pool as a fork of size children would
+// (up to the pool's bound) and waits (until ctx ends) until it is full. It gives an engine without
 // Config.Pool a pool; the benchmark uses it to time forks from parked VMMs.
 // Call it before forking from other goroutines: it may set the pool.
 func (e *Engine) PrimePool(ctx context.Context, tag string, size int) error {
@@ -344,14 +550,15 @@ func (e *Engine) PrimePool(ctx context.Context, tag string, size int) error {
 		return err
 	}
 	if e.pool == nil {
-		if e.pool = newPool(e, size); e.pool == nil {
+		if e.pool = newPool(e, size, size); e.pool == nil {
 			return fmt.Errorf("backend %s cannot park VMMs", e.cfg.Backend.Name())
 		}
 	}
-	e.pool.refill(snap)
+	e.pool.refill(snap, size)
+	want := min(max(size, e.pool.size), e.pool.max)
 	for {
 		parked, _ := e.PoolStats()
-		if parked[tag] >= e.pool.size {
+		if parked[tag] >= want {
 			return nil
 		}
 		select {

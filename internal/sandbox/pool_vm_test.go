@@ -1,7 +1,11 @@
 package sandbox_test
 
 import (
+	"bytes"
 	"encoding/json"
+	"fmt"
+	"os"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -28,20 +32,23 @@ func TestPool(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	deadline := time.Now().Add(time.Minute)
-	for {
-		parked, _ := e.PoolStats()
-		if parked["pl"] == 2 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("pool not filled: %v", parked)
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
+	waitParked(t, e, "pl", 2)
 	if list, _ := e.List(ctx); len(list) != 1 {
 		t.Fatalf("parked VMMs listed as sandboxes: %d listed", len(list))
 	}
+	// Pool entries wait restored and stopped, in the background class.
+	recs, err := e.State().List()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range recs {
+		if r.Status == state.StatusParked {
+			if st := procState(t, r.Handle.Process.PID); st != "T" {
+				t.Fatalf("pool entry %s in state %s, want T (stopped)", r.ID, st)
+			}
+		}
+	}
+	time.Sleep(3 * time.Second) // the entries' guest clocks fall behind while stopped
 	res, err := e.Fork(ctx, sandbox.ForkSpec{Tag: "pl", N: 2,
 		Net: &sandbox.NetSpec{Policy: netns.Policy{Mode: netns.ModeDeny}, Publish: []int{80}}})
 	if err != nil {
@@ -54,6 +61,14 @@ func TestPool(t *testing.T) {
 		sb := c.Sandbox
 		if out, code := run(t, e, sb.ID, "hostname"); code != 0 || strings.TrimSpace(out) != sb.ID {
 			t.Fatalf("pooled child hostname %q (exit %d), want %s", out, code, sb.ID)
+		}
+		out, code := run(t, e, sb.ID, "date +%s")
+		secs, err := strconv.ParseInt(strings.TrimSpace(out), 10, 64)
+		if code != 0 || err != nil || time.Since(time.Unix(secs, 0)).Abs() > 5*time.Second {
+			t.Fatalf("pooled child's clock %q (exit %d), host %d", out, code, time.Now().Unix())
+		}
+		if st := procState(t, sb.Handle.Process.PID); st == "T" {
+			t.Fatalf("pooled child %s still stopped", sb.ID)
 		}
 		var p netns.Policy
 		json.Unmarshal(sb.Net.Policy, &p)
@@ -69,12 +84,22 @@ func TestPool(t *testing.T) {
 			t.Fatalf("record of %s: %+v %v", sb.ID, got, err)
 		}
 	}
+	// The pool follows demand: after a fork of 3 (2 from the pool), it
+	// refills to 3.
+	waitParked(t, e, "pl", 2)
+	if _, err := e.Fork(ctx, sandbox.ForkSpec{Tag: "pl", N: 3}); err != nil {
+		t.Fatal(err)
+	}
+	if _, hits := e.PoolStats(); hits != 4 {
+		t.Fatalf("%d forks took a pool entry, want 4", hits)
+	}
+	waitParked(t, e, "pl", 3)
 	// Children with limits never take a parked VMM.
 	lim, err := e.Fork(ctx, sandbox.ForkSpec{Tag: "pl", N: 1, Limits: &state.Limits{PIDs: 256}})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, hits := e.PoolStats(); hits != 2 {
+	if _, hits := e.PoolStats(); hits != 4 {
 		t.Fatalf("a child with limits took a parked VMM (hits %d)", hits)
 	}
 	if _, err := e.KillAll(ctx, ""); err != nil {
@@ -93,4 +118,29 @@ func TestPool(t *testing.T) {
 		t.Fatal(err)
 	}
 	assertNothingLeft(t, e)
+}
+
+// procState returns the state letter of pid (/proc/PID/stat field 3).
+func procState(t *testing.T, pid int) string {
+	t.Helper()
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := strings.Fields(string(b[bytes.LastIndexByte(b, ')')+1:]))
+	return f[0]
+}
+
+// waitParked waits up to two minutes until tag's pool holds n entries.
+func waitParked(t *testing.T, e *sandbox.Engine, tag string, n int) {
+	t.Helper()
+	for deadline := time.Now().Add(2 * time.Minute); ; time.Sleep(100 * time.Millisecond) {
+		parked, _ := e.PoolStats()
+		if parked[tag] == n {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("pool of %s not filled to %d: %v", tag, n, parked)
+		}
+	}
 }

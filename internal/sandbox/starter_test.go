@@ -171,7 +171,7 @@ func (f *fakeParked) Discard(context.Context) error { close(f.discarded); return
 // discarded and the child restores from scratch.
 func TestPoolTakesOnlyLiveVMMsOfThisSnapshot(t *testing.T) {
 	e := fakeEngine(t)
-	p := &pool{e: e, size: 4, entries: map[string][]*parkedVMM{}, filling: map[string]chan struct{}{}}
+	p := testPool(e, 4, 16)
 	now := time.Now()
 	snap := &snapshot.Snapshot{Metadata: snapshot.Metadata{Tag: "t", Created: now, ContentHash: "new"}}
 	older := &snapshot.Snapshot{Metadata: snapshot.Metadata{Tag: "t", Created: now.Add(-time.Hour), ContentHash: "old"}}

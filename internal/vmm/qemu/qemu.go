@@ -95,7 +95,7 @@ func New(opts Options) (*Backend, error) {
 		return nil, errdefs.InvalidArgument("qemu machine %q: want microvm or q35", opts.Machine)
 	}
 	if opts.TBSizeMiB == 0 {
-		opts.TBSizeMiB = 16
+		opts.TBSizeMiB = 32
 	}
 	b := &Backend{opts: opts, verDone: make(chan struct{})}
 	switch opts.Accel {

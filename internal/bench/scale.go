@@ -54,13 +54,25 @@ type ScaleResult struct {
 	Image   string  `json:"image"`
 	// Network: every child in its own network namespace (as root).
 	Network bool `json:"network"`
-	// Pool is how many VMMs waited parked for the snapshot at the fork.
-	Pool int `json:"pool"`
+	// Pool is how many VMMs waited in the snapshot's pool, restored and
+	// stopped, at the measured fork: the daemon's pool follows its
+	// largest recent fork, so it is measured as the daemon's second fork
+	// of N. PoolFirst is how many waited at the first fork of N (the
+	// pool's base size), whose wall and ready times are First*.
+	Pool      int `json:"pool"`
+	PoolFirst int `json:"pool_first"`
 	// Load1Before and Load1After are the host's 1-minute load average
 	// before the fork and before the kill (other work on the host shows
 	// here).
 	Load1Before float64 `json:"load1_before"`
 	Load1After  float64 `json:"load1_after"`
+
+	FirstForkWallMS float64 `json:"first_fork_wall_ms"`
+	FirstForkReady  Summary `json:"first_fork_ready_ms"`
+	FirstForkFailed int     `json:"first_fork_failed"`
+	// PoolRefillMS is how long the pool took to refill for the second
+	// fork, after the first fork's children were killed.
+	PoolRefillMS float64 `json:"pool_refill_ms"`
 
 	ForkWallMS float64 `json:"fork_wall_ms"`
 	ForkReady  Summary `json:"fork_ready_ms"`
@@ -118,20 +130,23 @@ func RunScale(ctx context.Context, e *sandbox.Engine, o ScaleOptions) (*ScaleRes
 		return nil, err
 	}
 	defer func() { cleanupFailed(Options{Progress: o.Progress}, "remove snapshot "+tag, e.RemoveSnapshot(tag)) }()
-	// The measured fork finds a warm page cache and a primed pool, as a
-	// daemon's second fork of a snapshot does.
+	// The first fork of N finds a warm page cache and the pool at its
+	// base size, as a daemon's first large fork of a snapshot does.
 	if err := warmFork(ctx, e, sandbox.ForkSpec{Tag: tag, N: 1}); err != nil {
 		return nil, err
 	}
-	// The fork parked VMMs for the snapshot in the background: wait
-	// for them (a park that failed is not retried: go on without it).
-	for start := time.Now(); cfg.Pool > 0 && time.Since(start) < time.Minute; time.Sleep(100 * time.Millisecond) {
-		if parked, _ := e.PoolStats(); parked[tag] >= cfg.Pool {
-			break
-		}
+	r.PoolFirst = waitPool(e, tag, cfg.Pool, time.Minute)
+	say("first fork of %d in one call, pool %d (load %.1f)", o.N, r.PoolFirst, load1())
+	if err := firstFork(ctx, e, tag, o.N, r); err != nil {
+		return nil, err
 	}
-	parked, _ := e.PoolStats()
-	r.Pool = parked[tag]
+	// The measured fork finds the pool refilled for the demand the first
+	// fork showed, as the daemon's next fork of N does.
+	start := time.Now()
+	want := min(o.N, max(cfg.PoolMax, cfg.Pool))
+	say("refill the pool to %d", want)
+	r.Pool = waitPool(e, tag, want, time.Minute+time.Duration(want)*3*time.Second)
+	r.PoolRefillMS = msSince(start)
 
 	r.Load1Before = load1()
 	say("fork %d in one call (load %.1f)", o.N, r.Load1Before)
@@ -189,7 +204,7 @@ func RunScale(ctx context.Context, e *sandbox.Engine, o ScaleOptions) (*ScaleRes
 	}
 	r.Load1After = load1()
 	say("kill all (load %.1f)", r.Load1After)
-	start := time.Now()
+	start = time.Now()
 	kctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Minute)
 	defer cancel()
 	if _, err := e.KillAll(kctx, tag); err != nil {
@@ -197,6 +212,49 @@ func RunScale(ctx context.Context, e *sandbox.Engine, o ScaleOptions) (*ScaleRes
 	}
 	r.KillAllMS = msSince(start)
 	return r, nil
+}
+
+// waitPool waits up to d until tag's pool holds want VMMs, or stops
+// growing for half a minute (a park failed, or the host's memory is low),
+// and returns how many it holds.
+func waitPool(e *sandbox.Engine, tag string, want int, d time.Duration) int {
+	n, grew := 0, time.Now()
+	for start := time.Now(); time.Since(start) < d && time.Since(grew) < 30*time.Second; time.Sleep(100 * time.Millisecond) {
+		parked, _ := e.PoolStats()
+		if parked[tag] >= want {
+			return parked[tag]
+		}
+		if parked[tag] > n {
+			n, grew = parked[tag], time.Now()
+		}
+	}
+	parked, _ := e.PoolStats()
+	return parked[tag]
+}
+
+// firstFork forks n children of tag in one call into r's First* fields,
+// then kills them.
+func firstFork(ctx context.Context, e *sandbox.Engine, tag string, n int, r *ScaleResult) error {
+	fr, err := e.Fork(ctx, sandbox.ForkSpec{Tag: tag, N: n, KeepPartial: true, Metadata: map[string]string{"origin": "bench"}})
+	if fr != nil {
+		r.FirstForkWallMS = fr.WallMS
+		var ready []float64
+		for _, c := range fr.Children {
+			if c.Err != nil {
+				r.FirstForkFailed++
+				continue
+			}
+			ready = append(ready, c.ReadyMS)
+		}
+		r.FirstForkReady = Summarize(ready)
+	}
+	kctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Minute)
+	defer cancel()
+	_, kerr := e.KillAll(kctx, tag)
+	if fr == nil {
+		return errors.Join(err, kerr)
+	}
+	return kerr
 }
 
 // scaleFrozen runs the engine's idle watch, measures the children once

@@ -108,25 +108,36 @@ func (s *Server) resumeLocked(ctx context.Context, rec *record, timeout time.Dur
 	return rec, nil
 }
 
-func (s *Server) connect(w http.ResponseWriter, r *http.Request) error {
-	var req connectRequest
-	if err := decode(r, &req); err != nil {
-		return err
+// openLocked decodes a connect or resume body into req (its timeout at
+// *timeoutField), locks the sandbox the path names and looks up its
+// record. On success the caller runs unlock.
+func (s *Server) openLocked(r *http.Request, req any, timeoutField **int) (rec *record, timeout time.Duration, unlock func(), err error) {
+	if err := decode(r, req); err != nil {
+		return nil, 0, nil, err
 	}
-	timeout, err := seconds(req.Timeout, DefaultTimeout)
-	if err != nil {
-		return err
+	if timeout, err = seconds(*timeoutField, DefaultTimeout); err != nil {
+		return nil, 0, nil, err
 	}
 	id := r.PathValue("id")
-	unlock := s.ops.lock(id)
-	defer unlock()
-	rec, err := s.lookup(r.Context(), id)
+	unlock = s.ops.lock(id)
+	if rec, err = s.lookup(r.Context(), id); err != nil {
+		unlock()
+		return nil, 0, nil, err
+	}
+	return rec, timeout, unlock, nil
+}
+
+func (s *Server) connect(w http.ResponseWriter, r *http.Request) error {
+	var req connectRequest
+	rec, timeout, unlock, err := s.openLocked(r, &req, &req.Timeout)
 	if err != nil {
 		if errdefs.IsNotFound(err) {
-			return errdefs.NotFound("paused sandbox %s not found", errdefs.Quote(id))
+			return errdefs.NotFound("paused sandbox %s not found", errdefs.Quote(r.PathValue("id")))
 		}
 		return err
 	}
+	defer unlock()
+	id := r.PathValue("id")
 	if rec.State == stateRunning {
 		if rec, err = s.extend(r.Context(), id, timeout, true); err != nil {
 			return err
@@ -146,22 +157,13 @@ func (s *Server) resume(w http.ResponseWriter, r *http.Request) error {
 		Timeout   *int  `json:"timeout,omitempty"`
 		AutoPause *bool `json:"autoPause,omitempty"`
 	}
-	if err := decode(r, &req); err != nil {
-		return err
-	}
-	timeout, err := seconds(req.Timeout, DefaultTimeout)
+	rec, timeout, unlock, err := s.openLocked(r, &req, &req.Timeout)
 	if err != nil {
 		return err
 	}
-	id := r.PathValue("id")
-	unlock := s.ops.lock(id)
 	defer unlock()
-	rec, err := s.lookup(r.Context(), id)
-	if err != nil {
-		return err
-	}
 	if rec.State == stateRunning {
-		return errdefs.AlreadyExists("sandbox %s is already running", id)
+		return errdefs.AlreadyExists("sandbox %s is already running", r.PathValue("id"))
 	}
 	if rec, err = s.resumeLocked(r.Context(), rec, timeout); err != nil {
 		return err

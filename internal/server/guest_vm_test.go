@@ -202,8 +202,12 @@ func TestGuestProtectsItselfVM(t *testing.T) {
 				t.Fatalf("guest_pids_limit %d: pids.max %+v %v", limit, r, err)
 			}
 			if limit > 0 {
-				// fork fails with EAGAIN at the limit.
-				fork := "import errno, os, time\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n            time.sleep(60)\n            os._exit(0)\n        n += 1\nexcept OSError as e:\n    print(n, errno.errorcode[e.errno])\n"
+				// fork fails with EAGAIN at the limit. The children are
+				// killed and reaped before the script ends: left asleep,
+				// they would hold the limit through the bomb below and
+				// the exec after it, which a fast guest reaches within
+				// their sleep.
+				fork := "import errno, os, signal, time\npids = []\ntry:\n    while True:\n        p = os.fork()\n        if p == 0:\n            time.sleep(60)\n            os._exit(0)\n        pids.append(p)\nexcept OSError as e:\n    print(len(pids), errno.errorcode[e.errno], flush=True)\nfor p in pids:\n    os.kill(p, signal.SIGKILL)\n    os.waitpid(p, 0)\n"
 				r, err := c.Exec(ctx, id, apiv1.ExecRequest{Args: []string{"python3", "-c", fork}, TimeoutSecs: 60})
 				var n int
 				var code string

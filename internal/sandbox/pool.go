@@ -44,6 +44,9 @@ type pool struct {
 	e    *Engine
 	size int // entries kept per snapshot without demand
 	max  int // entries over all snapshots, at most
+	// background: entries wait in SCHED_IDLE (as root only, since only
+	// root may give a taken entry the normal class back).
+	background bool
 
 	slots chan struct{}  // one token per park in progress
 	bg    sync.WaitGroup // discards, drops and the trimmer
@@ -90,6 +93,8 @@ type parkedVMM struct {
 	m    vmm.Machine
 	sb   *state.Sandbox
 	snap *snapshot.Snapshot // what it was restored from
+	// background: the VMM runs in SCHED_IDLE until it is taken.
+	background bool
 }
 
 // newPool returns a pool of size entries per snapshot, growing with demand
@@ -104,7 +109,7 @@ func newPool(e *Engine, size, limit int) *pool {
 	}
 	p := &pool{e: e, size: size, max: max(limit, size*maxPoolTags), slots: make(chan struct{}, 2*cap(e.restores)),
 		stop: make(chan struct{}), entries: map[string][]*parkedVMM{}, filling: map[string]chan struct{}{},
-		demand: map[string]poolDemand{}}
+		demand: map[string]poolDemand{}, background: os.Geteuid() == 0}
 	p.bg.Go(p.trimLoop)
 	return p
 }
@@ -177,7 +182,7 @@ func (e *Engine) restoreParked(ctx context.Context, spec ForkSpec, sb *state.San
 		sb.Net.Policy = pol
 	}
 	id := sb.Handle.Process
-	if os.Geteuid() == 0 {
+	if pk.background {
 		if err := proc.SetSched(id, proc.Normal); err != nil {
 			return nil, err
 		}
@@ -373,9 +378,9 @@ func (p *pool) park(snap *snapshot.Snapshot) (_ *parkedVMM, err error) {
 		return nil, err
 	}
 	defer done()
-	if os.Geteuid() == 0 {
+	if p.background {
 		// The VMM runs only on CPU nothing else wants until a fork
-		// takes it (only root may give it the usual class back then).
+		// takes it.
 		spec.Launch.Enter = append(spec.Launch.Enter, func() (func() error, error) { return proc.SchedThread(proc.Background) })
 	}
 	pk, err := e.cfg.Backend.(vmm.Parker).Park(ctx, spec)
@@ -401,7 +406,7 @@ func (p *pool) park(snap *snapshot.Snapshot) (_ *parkedVMM, err error) {
 		return nil, err
 	}
 	undo.Release()
-	return &parkedVMM{p: pk, m: m, sb: sb, snap: snap}, nil
+	return &parkedVMM{p: pk, m: m, sb: sb, snap: snap, background: p.background}, nil
 }
 
 // settle waits, up to poolSettleMax, until the VMM named by id used no

@@ -153,9 +153,7 @@ func RunScale(ctx context.Context, e *sandbox.Engine, o ScaleOptions) (*ScaleRes
 	fr, err := e.Fork(ctx, sandbox.ForkSpec{Tag: tag, N: o.N, KeepPartial: true, Metadata: map[string]string{"origin": "bench"}})
 	defer func() {
 		start := time.Now()
-		kctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Minute)
-		defer cancel()
-		_, err := e.KillAll(kctx, tag)
+		err := killAll(ctx, e, tag)
 		cleanupFailed(Options{Progress: o.Progress}, "kill the children of "+tag, err)
 		if r.KillAllMS == 0 {
 			r.KillAllMS = msSince(start)
@@ -205,9 +203,7 @@ func RunScale(ctx context.Context, e *sandbox.Engine, o ScaleOptions) (*ScaleRes
 	r.Load1After = load1()
 	say("kill all (load %.1f)", r.Load1After)
 	start = time.Now()
-	kctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Minute)
-	defer cancel()
-	if _, err := e.KillAll(kctx, tag); err != nil {
+	if err := killAll(ctx, e, tag); err != nil {
 		return nil, err
 	}
 	r.KillAllMS = msSince(start)
@@ -248,13 +244,20 @@ func firstFork(ctx context.Context, e *sandbox.Engine, tag string, n int, r *Sca
 		}
 		r.FirstForkReady = Summarize(ready)
 	}
-	kctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Minute)
-	defer cancel()
-	_, kerr := e.KillAll(kctx, tag)
+	kerr := killAll(ctx, e, tag)
 	if fr == nil {
 		return errors.Join(err, kerr)
 	}
 	return kerr
+}
+
+// killAll kills the children of tag, within ten minutes even once ctx
+// has ended.
+func killAll(ctx context.Context, e *sandbox.Engine, tag string) error {
+	kctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Minute)
+	defer cancel()
+	_, err := e.KillAll(kctx, tag)
+	return err
 }
 
 // scaleFrozen runs the engine's idle watch, measures the children once

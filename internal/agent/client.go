@@ -254,6 +254,10 @@ func (c *Client) ProtocolVersion() int { return c.ack.Version }
 // Features returns what the agent offers (proto.Feature*).
 func (c *Client) Features() []string { return c.ack.Features }
 
+// Clocksource returns the guest kernel's clocksource as the agent reported
+// it when the session opened ("" from older agents).
+func (c *Client) Clocksource() string { return c.ack.Clocksource }
+
 // Done is closed when the Client stops (closed or connection lost).
 func (c *Client) Done() <-chan struct{} { return c.done }
 

@@ -387,6 +387,7 @@ func (c *conn) hello(msg []byte) {
 		Nonce:        h.Nonce,
 		AgentVersion: c.a.cfg.Version,
 		Features:     c.a.features(),
+		Clocksource:  c.a.sys.Clocksource(),
 	}
 	if err := proto.CheckVersions(h.Version, h.MinVersion, proto.ProtocolVersion, proto.MinProtocolVersion); err != nil {
 		c.a.log.Error("refused host", "err", err)

@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"strings"
 	"syscall"
 	"time"
 	"unsafe"
@@ -31,11 +32,15 @@ type System struct {
 	// AttachDisk moves the root's writable layer onto a disk (see
 	// proto.Disk): once it returns, files written to the root go there.
 	AttachDisk func(proto.Disk) error
+	// Clocksource names the kernel's current clocksource ("" when it
+	// cannot be read).
+	Clocksource func() string
 }
 
 // RealSystem acts on the machine the agent runs on.
 func RealSystem() System {
-	return System{SetTime: setClock, AddEntropy: addEntropy, SetHostname: setHostname, AttachDisk: attachDiskRoot}
+	return System{SetTime: setClock, AddEntropy: addEntropy, SetHostname: setHostname, AttachDisk: attachDiskRoot,
+		Clocksource: clocksource}
 }
 
 func (s System) withDefaults() System {
@@ -52,12 +57,26 @@ func (s System) withDefaults() System {
 	if s.AttachDisk == nil {
 		s.AttachDisk = r.AttachDisk
 	}
+	if s.Clocksource == nil {
+		s.Clocksource = r.Clocksource
+	}
 	return s
 }
 
 func setClock(t time.Time) error {
 	ts := unix.NsecToTimespec(t.UnixNano())
 	return unix.ClockSettime(unix.CLOCK_REALTIME, &ts)
+}
+
+// currentClocksource is where the kernel names the clocksource it reads.
+const currentClocksource = "/sys/devices/system/clocksource/clocksource0/current_clocksource"
+
+func clocksource() string {
+	b, err := os.ReadFile(currentClocksource)
+	if err != nil {
+		return ""
+	}
+	return strings.TrimSpace(string(b))
 }
 
 // addEntropy credits b to the kernel pool with RNDADDENTROPY (struct

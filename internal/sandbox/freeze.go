@@ -186,19 +186,23 @@ func (e *Engine) thaw(id string, st *idleState) error {
 	return nil
 }
 
-// woken tells a guest that was frozen the time and counts the wake's
-// latency, from start (the request's arrival) to now.
+// woken tells a guest that was frozen the time, unless its clock kept
+// counting while it was frozen, and counts the wake's latency, from start
+// (the request's arrival) to now.
 func (e *Engine) woken(ctx context.Context, id string, c *agent.Client, start time.Time) {
-	ictx, cancel := context.WithTimeout(ctx, 10*time.Second)
-	defer cancel()
-	if err := c.Init(ictx, proto.InitRequest{Time: time.Now()}); err != nil {
-		e.log.Warn("set the clock of a woken sandbox", "sandbox", id, "err", err)
+	set := !proto.ClockFollowsHost(c.Clocksource())
+	if set {
+		ictx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		defer cancel()
+		if err := c.Init(ictx, proto.InitRequest{Time: time.Now()}); err != nil {
+			e.log.Warn("set the clock of a woken sandbox", "sandbox", id, "err", err)
+		}
 	}
 	d := time.Since(start)
 	e.idle.mu.Lock()
 	e.idle.stats.WakeSeconds += d.Seconds()
 	e.idle.mu.Unlock()
-	e.log.Debug("sandbox woken", "sandbox", id, "ms", d.Milliseconds())
+	e.log.Debug("sandbox woken", "sandbox", id, "ms", d.Milliseconds(), "clock_set", set)
 }
 
 // forgetIdle drops sandbox id from the idle watch, thawing its VMM first

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	apiv1 "github.com/forkd/forkd/api/v1"
+	"github.com/forkd/forkd/internal/agent/proto"
 	"github.com/forkd/forkd/internal/cgroup"
 	"github.com/forkd/forkd/internal/errdefs"
 	"github.com/forkd/forkd/internal/sandbox"
@@ -154,6 +155,17 @@ func TestIdleFreezeVM(t *testing.T) {
 			}
 			return nil
 		})
+		// Its clock was right without being set: the daemon sets the
+		// clock of a woken guest only when it does not count the host's
+		// TSC, and these guests do (tsc=reliable under TCG).
+		ac, release, err := d.e.Agent(ctx, id)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer release()
+		if !proto.ClockFollowsHost(ac.Clocksource()) {
+			t.Errorf("guest clocksource %q: the wake set its clock, the path without a set is untested", ac.Clocksource())
+		}
 	})
 	t.Run("files", func(t *testing.T) {
 		awake(t, "write", func(ctx context.Context) error {

@@ -92,7 +92,19 @@ type HelloAck struct {
 	Nonce        string   `json:"nonce"`
 	AgentVersion string   `json:"agent_version"`
 	Features     []string `json:"features,omitempty"`
-	Error        *Error   `json:"error,omitempty"`
+	// Clocksource is the guest kernel's clocksource when the agent
+	// answered ("" from agents that do not say); see ClockFollowsHost.
+	Clocksource string `json:"clocksource,omitempty"`
+	Error       *Error `json:"error,omitempty"`
+}
+
+// ClockFollowsHost reports whether a guest whose kernel reads clocksource
+// src keeps the right time while its VMM is stopped (SIGSTOP, a cgroup
+// freeze): tsc and kvm-clock count the host's TSC, which runs on. A guest
+// on jiffies only counts its own timer ticks, and falls behind by as long
+// as it was stopped.
+func ClockFollowsHost(src string) bool {
+	return src == "tsc" || src == "kvm-clock"
 }
 
 // Request opens request id (TypeRequest).

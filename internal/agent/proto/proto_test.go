@@ -195,6 +195,15 @@ func TestCheckVersions(t *testing.T) {
 	}
 }
 
+func TestClockFollowsHost(t *testing.T) {
+	for src, want := range map[string]bool{"tsc": true, "kvm-clock": true,
+		"refined-jiffies": false, "jiffies": false, "hpet": false, "": false} {
+		if got := ClockFollowsHost(src); got != want {
+			t.Errorf("ClockFollowsHost(%q) = %v", src, got)
+		}
+	}
+}
+
 func TestWriterNumbersAndCharges(t *testing.T) {
 	var buf bytes.Buffer
 	w := NewWriter(&buf)

@@ -14,7 +14,6 @@ import (
 	"context"
 	"crypto/tls"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -195,139 +194,6 @@ func (c *Client) Health(ctx context.Context) error {
 func (c *Client) Version(ctx context.Context) (*apiv1.VersionInfo, error) {
 	var v apiv1.VersionInfo
 	return &v, c.do(ctx, "GET", "/version", nil, nil, &v)
-}
-
-// ListSnapshots lists the snapshots.
-func (c *Client) ListSnapshots(ctx context.Context) ([]apiv1.Snapshot, error) {
-	var l apiv1.SnapshotList
-	return l.Snapshots, c.do(ctx, "GET", "/v1/snapshots", nil, nil, &l)
-}
-
-// GetSnapshot returns one snapshot.
-func (c *Client) GetSnapshot(ctx context.Context, tag string) (*apiv1.Snapshot, error) {
-	var s apiv1.Snapshot
-	return &s, c.do(ctx, "GET", "/v1/snapshots/"+url.PathEscape(tag), nil, nil, &s)
-}
-
-// CreateSnapshot starts building a snapshot; see WaitOperation.
-func (c *Client) CreateSnapshot(ctx context.Context, req apiv1.CreateSnapshotRequest) (*apiv1.Operation, error) {
-	var op apiv1.Operation
-	return &op, c.do(ctx, "POST", "/v1/snapshots", nil, req, &op)
-}
-
-// DeleteSnapshot removes a snapshot (FailedPrecondition while in use).
-func (c *Client) DeleteSnapshot(ctx context.Context, tag string) error {
-	return c.do(ctx, "DELETE", "/v1/snapshots/"+url.PathEscape(tag), nil, nil, nil)
-}
-
-// GetOperation returns one operation.
-func (c *Client) GetOperation(ctx context.Context, id string) (*apiv1.Operation, error) {
-	var op apiv1.Operation
-	return &op, c.do(ctx, "GET", "/v1/operations/"+url.PathEscape(id), nil, nil, &op)
-}
-
-// WaitOperation polls an operation until it ends or ctx does. A failed
-// operation is returned with its error as a classed error.
-func (c *Client) WaitOperation(ctx context.Context, id string) (*apiv1.Operation, error) {
-	return c.WaitOperationProgress(ctx, id, nil)
-}
-
-// WaitOperationProgress is WaitOperation that also calls progress (when
-// set) with each progress line the operation reports, in order, once.
-func (c *Client) WaitOperationProgress(ctx context.Context, id string, progress func(line string)) (*apiv1.Operation, error) {
-	delay := 100 * time.Millisecond
-	seen := 0 // progress lines already passed on
-	for {
-		op, err := c.GetOperation(ctx, id)
-		if err != nil {
-			return nil, err
-		}
-		if progress != nil && op.ProgressLines > seen {
-			fresh := min(op.ProgressLines-seen, len(op.Progress))
-			for _, line := range op.Progress[len(op.Progress)-fresh:] {
-				progress(line)
-			}
-			seen = op.ProgressLines
-			delay = 100 * time.Millisecond
-		}
-		if done, err := ended(op); done {
-			return op, err
-		}
-		select {
-		case <-ctx.Done():
-			return op, ctx.Err()
-		case <-time.After(delay):
-		}
-		delay = min(delay*2, time.Second)
-	}
-}
-
-// ended reports whether op has ended, and a failed one's error as a
-// classed error.
-func ended(op *apiv1.Operation) (bool, error) {
-	switch op.Status {
-	case apiv1.OperationSucceeded:
-		return true, nil
-	case apiv1.OperationFailed:
-		if op.Error != nil {
-			return true, errdefs.FromCode(op.Error.Code, op.Error.Message)
-		}
-		return true, errors.New("operation failed")
-	}
-	return false, nil
-}
-
-// WatchOperation polls an operation every interval (at least 50 ms)
-// until it ends or ctx does, calling fn with each state it sees, the
-// last included. A failed operation is returned with its error as a
-// classed error.
-func (c *Client) WatchOperation(ctx context.Context, id string, interval time.Duration, fn func(*apiv1.Operation)) (*apiv1.Operation, error) {
-	interval = max(interval, 50*time.Millisecond)
-	for {
-		op, err := c.GetOperation(ctx, id)
-		if err != nil {
-			return nil, err
-		}
-		if fn != nil {
-			fn(op)
-		}
-		if done, err := ended(op); done {
-			return op, err
-		}
-		select {
-		case <-ctx.Done():
-			return op, ctx.Err()
-		case <-time.After(interval):
-		}
-	}
-}
-
-// PushSnapshot starts pushing a snapshot (and its chain) to a registry;
-// see WatchOperation. The operation's Transfer says how it goes.
-func (c *Client) PushSnapshot(ctx context.Context, tag string, req apiv1.PushRequest) (*apiv1.Operation, error) {
-	var op apiv1.Operation
-	return &op, c.do(ctx, "POST", "/v1/snapshots/"+url.PathEscape(tag)+"/push", nil, req, &op)
-}
-
-// PullSnapshot starts pulling a snapshot from a registry; the operation's
-// Snapshot names its tag here once known.
-func (c *Client) PullSnapshot(ctx context.Context, req apiv1.PullRequest) (*apiv1.Operation, error) {
-	var op apiv1.Operation
-	return &op, c.do(ctx, "POST", "/v1/snapshots/pull", nil, req, &op)
-}
-
-// PackSnapshot starts writing a snapshot (and its chain) into a layout
-// tar file on the daemon's host.
-func (c *Client) PackSnapshot(ctx context.Context, tag string, req apiv1.PackRequest) (*apiv1.Operation, error) {
-	var op apiv1.Operation
-	return &op, c.do(ctx, "POST", "/v1/snapshots/"+url.PathEscape(tag)+"/pack", nil, req, &op)
-}
-
-// UnpackSnapshot starts reading a snapshot from a layout tar file on the
-// daemon's host.
-func (c *Client) UnpackSnapshot(ctx context.Context, req apiv1.UnpackRequest) (*apiv1.Operation, error) {
-	var op apiv1.Operation
-	return &op, c.do(ctx, "POST", "/v1/snapshots/unpack", nil, req, &op)
 }
 
 // CreateSandboxes forks req.N sandboxes and returns once they are ready.
@@ -590,34 +456,6 @@ func (c *Client) ForkFrom(ctx context.Context, id string, req apiv1.ForkRequest)
 	return &res, c.do(ctx, "POST", sandboxPath(id, "/fork"), nil, req, &res)
 }
 
-// SnapshotInfo returns a snapshot's chain and sizes.
-func (c *Client) SnapshotInfo(ctx context.Context, tag string) (*apiv1.SnapshotInfo, error) {
-	var in apiv1.SnapshotInfo
-	return &in, c.do(ctx, "GET", "/v1/snapshots/"+url.PathEscape(tag)+"/info", nil, nil, &in)
-}
-
-// CompactSnapshot makes snapshot to, standing alone, from tag.
-func (c *Client) CompactSnapshot(ctx context.Context, tag, to string) (*apiv1.Snapshot, error) {
-	var s apiv1.Snapshot
-	return &s, c.do(ctx, "POST", "/v1/snapshots/"+url.PathEscape(tag)+"/compact", nil, apiv1.CompactRequest{To: to}, &s)
-}
-
-// RemoveOptions say what DeleteSnapshotWith does with the snapshots made
-// from the one removed: Cascade removes them too, Force leaves them.
-type RemoveOptions struct{ Cascade, Force bool }
-
-// DeleteSnapshotWith removes a snapshot that may have dependents.
-func (c *Client) DeleteSnapshotWith(ctx context.Context, tag string, opts RemoveOptions) error {
-	q := url.Values{}
-	if opts.Cascade {
-		q.Set("cascade", "true")
-	}
-	if opts.Force {
-		q.Set("force", "true")
-	}
-	return c.do(ctx, "DELETE", "/v1/snapshots/"+url.PathEscape(tag), q, nil, nil)
-}
-
 // CreateWorkspace makes a workspace.
 func (c *Client) CreateWorkspace(ctx context.Context, req apiv1.CreateWorkspaceRequest) (*apiv1.Workspace, error) {
 	var w apiv1.Workspace
@@ -651,67 +489,6 @@ func (c *Client) ResumeWorkspace(ctx context.Context, name string) (*apiv1.Works
 // DeleteWorkspace removes a workspace and its state snapshots.
 func (c *Client) DeleteWorkspace(ctx context.Context, name string) error {
 	return c.do(ctx, "DELETE", "/v1/workspaces/"+url.PathEscape(name), nil, nil, nil)
-}
-
-// StartProcess starts a background process.
-func (c *Client) StartProcess(ctx context.Context, id string, req apiv1.StartProcessRequest) (*apiv1.Process, error) {
-	var p apiv1.Process
-	return &p, c.do(ctx, "POST", sandboxPath(id, "/processes"), nil, req, &p)
-}
-
-// ListProcesses lists background processes.
-func (c *Client) ListProcesses(ctx context.Context, id string) ([]apiv1.Process, error) {
-	var l apiv1.ProcessList
-	return l.Processes, c.do(ctx, "GET", sandboxPath(id, "/processes"), nil, nil, &l)
-}
-
-func processPath(id string, pid int, rest string) string {
-	return sandboxPath(id, "/processes/"+strconv.Itoa(pid)+rest)
-}
-
-// WaitProcess waits for a background process to end.
-func (c *Client) WaitProcess(ctx context.Context, id string, pid int) (*apiv1.ExecResult, error) {
-	var r apiv1.ExecResult
-	return &r, c.do(ctx, "POST", processPath(id, pid, "/wait"), nil, nil, &r)
-}
-
-// StreamProcess attaches to a background process: its recent output, then
-// live output, to stdout and stderr, until it ends.
-func (c *Client) StreamProcess(ctx context.Context, id string, pid int, stdout, stderr io.Writer) (*apiv1.ExecResult, error) {
-	path := processPath(id, pid, "/stream")
-	ev, err := c.streamFrom(ctx, "GET", path, nil, "", stdout, stderr)
-	if err != nil {
-		return nil, err
-	}
-	if ev.Type != apiv1.EventExit || ev.Exec == nil {
-		return nil, fmt.Errorf("process stream ended with a %q event", ev.Type)
-	}
-	return ev.Exec, nil
-}
-
-// SendStdin writes data to a background process's stdin, closing it after
-// when eof.
-func (c *Client) SendStdin(ctx context.Context, id string, pid int, data []byte, eof bool) error {
-	q := url.Values{}
-	if eof {
-		q.Set("eof", "true")
-	}
-	resp, err := c.request(ctx, "POST", processPath(id, pid, "/stdin"), q, bytes.NewReader(data), "application/octet-stream")
-	if err != nil {
-		return err
-	}
-	resp.Body.Close()
-	return nil
-}
-
-// SignalProcess sends a signal to a background process's group.
-func (c *Client) SignalProcess(ctx context.Context, id string, pid int, signal string) error {
-	return c.do(ctx, "POST", processPath(id, pid, "/signal"), nil, apiv1.SignalRequest{Signal: signal}, nil)
-}
-
-// KillProcess kills a background process's group.
-func (c *Client) KillProcess(ctx context.Context, id string, pid int) error {
-	return c.do(ctx, "DELETE", processPath(id, pid, ""), nil, nil, nil)
 }
 
 // CreateE2BKey issues an E2B-format API key; the answer is the only place

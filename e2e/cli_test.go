@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/forkd/forkd/internal/bench"
 	"github.com/forkd/forkd/internal/proc"
 	"github.com/forkd/forkd/internal/testutil"
 	"github.com/forkd/forkd/internal/testvm"
@@ -277,6 +278,37 @@ func TestBenchJSON(t *testing.T) {
 		}
 	}
 	// The bench leaves no VM and no snapshot behind.
+	if out := c.ok("ls", "--json"); !strings.Contains(out, `"sandboxes": []`) {
+		t.Errorf("bench left sandboxes: %s", out)
+	}
+	if out := c.ok("images", "--json"); !strings.Contains(out, `"snapshots": []`) {
+		t.Errorf("bench left snapshots: %s", out)
+	}
+}
+
+// bench --scale forks N twice (the second time from the refilled pool),
+// measures the children awake and frozen, and execs in each while the
+// pool refills and again once it is full; it leaves nothing behind.
+func TestBenchScaleJSON(t *testing.T) {
+	c := newCLI(t)
+	out := c.ok("bench", "--scale", "3", "--idle", "1s", "--json")
+	var r bench.ScaleResult
+	if err := json.Unmarshal([]byte(out), &r); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("bench --scale 3: %s", out)
+	if r.N != 3 || r.Pool != 3 || r.Frozen != 3 || r.FirstForkFailed+r.ForkFailed+r.ExecFailed != 0 {
+		t.Errorf("n %d, pool %d, frozen %d, failed %d/%d/%d", r.N, r.Pool, r.Frozen, r.FirstForkFailed, r.ForkFailed, r.ExecFailed)
+	}
+	if r.ForkWallMS <= 0 || r.PoolFullRefillMS <= 0 || r.KillAllMS <= 0 {
+		t.Errorf("fork wall %v, pool full after %v, kill all %v", r.ForkWallMS, r.PoolFullRefillMS, r.KillAllMS)
+	}
+	for name, s := range map[string]bench.Summary{"child_private_mib": r.ChildPrivateMiB, "exec_roundtrip_ms": r.ExecRoundtrip,
+		"exec_roundtrip_steady_ms": r.ExecRoundtripSteady, "exec_awake_ms": r.ExecAwake} {
+		if s.N != 3 || s.P50 <= 0 {
+			t.Errorf("%s: %+v", name, s)
+		}
+	}
 	if out := c.ok("ls", "--json"); !strings.Contains(out, `"sandboxes": []`) {
 		t.Errorf("bench left sandboxes: %s", out)
 	}

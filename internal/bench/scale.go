@@ -102,6 +102,15 @@ type ScaleResult struct {
 	// ExecAwake is a second exec in each child right after the first:
 	// the round trip of a child that is awake.
 	ExecAwake Summary `json:"exec_awake_ms"`
+	// The execs above run while the pool refills behind the measured
+	// fork (restores in SCHED_IDLE, on the CPU the execs leave). The
+	// same execs again once it has refilled, in PoolFullRefillMS after
+	// the fork, and every child is frozen again: the daemon's steady
+	// state. Zero when the pool did not refill.
+	PoolFullRefillMS    float64 `json:"pool_full_refill_ms,omitempty"`
+	ExecRoundtripSteady Summary `json:"exec_roundtrip_steady_ms"`
+	ExecAwakeSteady     Summary `json:"exec_awake_steady_ms"`
+	MeanWakeSteadyMS    float64 `json:"mean_wake_steady_ms,omitempty"`
 
 	KillAllMS float64 `json:"kill_all_ms"`
 }
@@ -150,6 +159,7 @@ func RunScale(ctx context.Context, e *sandbox.Engine, o ScaleOptions) (*ScaleRes
 
 	r.Load1Before = load1()
 	say("fork %d in one call (load %.1f)", o.N, r.Load1Before)
+	forked := time.Now()
 	fr, err := e.Fork(ctx, sandbox.ForkSpec{Tag: tag, N: o.N, KeepPartial: true, Metadata: map[string]string{"origin": "bench"}})
 	defer func() {
 		start := time.Now()
@@ -197,7 +207,15 @@ func RunScale(ctx context.Context, e *sandbox.Engine, o ScaleOptions) (*ScaleRes
 	}
 	r.ChildPrivateMiB = Summarize(priv)
 
-	if err := scaleFrozen(ctx, e, ids, pids, o, r, say); err != nil {
+	refilled := func() bool {
+		r.PoolFullRefillMS = 0
+		if waitPool(e, tag, want, time.Minute+time.Duration(want)*3*time.Second) < want {
+			return false
+		}
+		r.PoolFullRefillMS = msSince(forked)
+		return true
+	}
+	if err := scaleFrozen(ctx, e, ids, pids, o, r, refilled, say); err != nil {
 		return nil, err
 	}
 	r.Load1After = load1()
@@ -261,8 +279,10 @@ func killAll(ctx context.Context, e *sandbox.Engine, tag string) error {
 }
 
 // scaleFrozen runs the engine's idle watch, measures the children once
-// all are frozen, then times an exec in each (waking it).
-func scaleFrozen(ctx context.Context, e *sandbox.Engine, ids []string, pids []int, o ScaleOptions, r *ScaleResult, say func(string, ...any)) error {
+// all are frozen, then times an exec in each (waking it); then, once
+// refilled reports the pool full again, waits until all are frozen again
+// and times those execs again.
+func scaleFrozen(ctx context.Context, e *sandbox.Engine, ids []string, pids []int, o ScaleOptions, r *ScaleResult, refilled func() bool, say func(string, ...any)) error {
 	if e.Config().IdleFreeze <= 0 {
 		return nil
 	}
@@ -271,14 +291,7 @@ func scaleFrozen(ctx context.Context, e *sandbox.Engine, ids []string, pids []in
 	go func() { defer close(done); e.RunIdle(ictx) }()
 	defer func() { stop(); <-done }()
 	say("waiting for the idle watch to freeze them")
-	start := time.Now()
-	for e.FreezeStats().Frozen < len(ids) {
-		if time.Since(start) > 2*time.Minute {
-			break
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
-	r.AllFrozenMS = msSince(start)
+	r.AllFrozenMS = waitFrozen(e, len(ids))
 	r.Frozen = e.FreezeStats().Frozen
 	if r.Frozen == 0 {
 		say("nothing was frozen: this host has no cgroup freezer forkd can use")
@@ -289,27 +302,54 @@ func scaleFrozen(ctx context.Context, e *sandbox.Engine, ids []string, pids []in
 	if r.FrozenCPUCores, r.FrozenWakeupsPerSecChild, err = idleCost(ctx, pids, o.IdleFor); err != nil {
 		return err
 	}
-	say("exec in each child, woken from frozen")
+	say("exec in each child, woken from frozen, while the pool refills")
+	r.ExecRoundtrip, r.ExecAwake, r.MeanWakeMS, r.ExecFailed = execEach(ctx, e, ids, say)
+	say("waiting for the pool to refill")
+	if !refilled() {
+		say("the pool did not refill: no steady-state execs")
+		return nil
+	}
+	waitFrozen(e, len(ids))
+	say("exec in each child again, woken from frozen, the pool full (refilled %.0f s after the fork)", r.PoolFullRefillMS/1000)
+	var failed int
+	r.ExecRoundtripSteady, r.ExecAwakeSteady, r.MeanWakeSteadyMS, failed = execEach(ctx, e, ids, say)
+	r.ExecFailed += failed
+	return nil
+}
+
+// waitFrozen waits up to two minutes until the idle watch shows n
+// sandboxes frozen, and returns how long it waited, in ms.
+func waitFrozen(e *sandbox.Engine, n int) float64 {
+	start := time.Now()
+	for e.FreezeStats().Frozen < n && time.Since(start) < 2*time.Minute {
+		time.Sleep(100 * time.Millisecond)
+	}
+	return msSince(start)
+}
+
+// execEach times an exec of `true` in each of ids in turn (waking it when
+// frozen), then a second one (awake), and returns both, the mean wake
+// and how many first execs failed.
+func execEach(ctx context.Context, e *sandbox.Engine, ids []string, say func(string, ...any)) (woken, awake Summary, meanWakeMS float64, failed int) {
 	before := e.FreezeStats()
-	var rts, awake []float64
+	var rts, again []float64
 	for _, id := range ids {
 		start := time.Now()
 		if err := execTrue(ctx, e, id); err != nil {
-			r.ExecFailed++
+			failed++
 			say("exec in %s: %v", id, err)
 			continue
 		}
 		rts = append(rts, msSince(start))
 		start = time.Now()
 		if err := execTrue(ctx, e, id); err == nil {
-			awake = append(awake, msSince(start))
+			again = append(again, msSince(start))
 		}
 	}
-	r.ExecRoundtrip, r.ExecAwake = Summarize(rts), Summarize(awake)
 	if after := e.FreezeStats(); after.Wakes > before.Wakes {
-		r.MeanWakeMS = 1000 * (after.WakeSeconds - before.WakeSeconds) / float64(after.Wakes-before.Wakes)
+		meanWakeMS = 1000 * (after.WakeSeconds - before.WakeSeconds) / float64(after.Wakes-before.Wakes)
 	}
-	return nil
+	return Summarize(rts), Summarize(again), meanWakeMS, failed
 }
 
 // execTrue runs `true` in sandbox id.

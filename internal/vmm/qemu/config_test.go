@@ -42,6 +42,29 @@ func TestIdentityArgsStable(t *testing.T) {
 	if _, err := decodeConfig(c.encode()); err != nil {
 		t.Fatalf("decode without PIT: %v", err)
 	}
+	// Newer snapshots carry only the device slots they use: one serial
+	// port, and a microvm without its second IOAPIC while its devices fit
+	// in the first one's transports.
+	c.Lean = true
+	c.Argv = c.identityArgs()
+	args := strings.Join(c.Argv, " ")
+	for _, want := range []string{"-M microvm,pit=off,pic=on,rtc=on,ioapic2=off,memory-backend=mem ",
+		"-device virtio-serial-device,max_ports=1 "} {
+		if !strings.Contains(args, want) {
+			t.Errorf("lean machine lacks %q: %s", want, args)
+		}
+	}
+	if _, err := decodeConfig(c.encode()); err != nil {
+		t.Fatalf("decode lean: %v", err)
+	}
+	c.Disks = microvmTransports - 1 // with the serial bus and the NIC: one too many
+	if args := strings.Join(c.identityArgs(), " "); strings.Contains(args, "ioapic2") {
+		t.Errorf("9 virtio devices on 8 transports: %s", args)
+	}
+	q := machineConfig{Machine: "q35", Lean: true}
+	if args := strings.Join(q.identityArgs(), " "); !strings.Contains(args, "-device virtio-serial-pci,max_ports=1 ") {
+		t.Errorf("lean q35: %s", args)
+	}
 }
 
 func TestInstanceArgs(t *testing.T) {

@@ -198,6 +198,7 @@ func (b *Backend) newConfig(ctx context.Context, spec vmm.BootSpec) (machineConf
 	for _, n := range spec.NICs {
 		c.NICs = append(c.NICs, n.MAC)
 	}
+	c.Lean = true
 	if b.accel == "tcg" {
 		c.TBSizeMiB = b.opts.TBSizeMiB
 		c.CPU = "qemu64,+arat"

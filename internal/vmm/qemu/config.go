@@ -93,10 +93,11 @@ func (c machineConfig) identityArgs() argv {
 		if c.NoPIT {
 			pit = "off"
 		}
-		mtype = "microvm,pit=" + pit + ",pic=on,rtc=on,memory-backend=mem"
+		ioapic := ""
 		if c.Lean && 1+c.Disks+len(c.NICs) <= microvmTransports {
-			mtype = "microvm,pit=" + pit + ",pic=on,rtc=on,ioapic2=off,memory-backend=mem"
+			ioapic = ",ioapic2=off"
 		}
+		mtype = "microvm,pit=" + pit + ",pic=on,rtc=on" + ioapic + ",memory-backend=mem"
 	}
 	accel := c.Accel
 	if c.Accel == "tcg" && c.TBSizeMiB > 0 {

@@ -154,7 +154,7 @@ func RunScale(ctx context.Context, e *sandbox.Engine, o ScaleOptions) (*ScaleRes
 	start := time.Now()
 	want := min(o.N, max(cfg.PoolMax, cfg.Pool))
 	say("refill the pool to %d", want)
-	r.Pool = waitPool(e, tag, want, time.Minute+time.Duration(want)*3*time.Second)
+	r.Pool = waitPool(e, tag, want, refillTime(want))
 	r.PoolRefillMS = msSince(start)
 
 	r.Load1Before = load1()
@@ -208,8 +208,7 @@ func RunScale(ctx context.Context, e *sandbox.Engine, o ScaleOptions) (*ScaleRes
 	r.ChildPrivateMiB = Summarize(priv)
 
 	refilled := func() bool {
-		r.PoolFullRefillMS = 0
-		if waitPool(e, tag, want, time.Minute+time.Duration(want)*3*time.Second) < want {
+		if waitPool(e, tag, want, refillTime(want)) < want {
 			return false
 		}
 		r.PoolFullRefillMS = msSince(forked)
@@ -245,6 +244,9 @@ func waitPool(e *sandbox.Engine, tag string, want int, d time.Duration) int {
 	parked, _ := e.PoolStats()
 	return parked[tag]
 }
+
+// refillTime bounds how long a pool may take to refill n entries.
+func refillTime(n int) time.Duration { return time.Minute + time.Duration(n)*3*time.Second }
 
 // firstFork forks n children of tag in one call into r's First* fields,
 // then kills them.

@@ -24,6 +24,9 @@ const (
 	// drainMax bounds how long output is read after a process exits, however
 	// busy a grandchild holding its pipes keeps them.
 	drainMax = 2 * time.Second
+	// groupGoneMax bounds how long a finished command's answer waits for
+	// the process group it left behind, once killed, to be reaped.
+	groupGoneMax = 5 * time.Second
 	// ringSize is the recent output kept per stream of a background
 	// process.
 	ringSize = 64 << 10
@@ -386,8 +389,23 @@ func drainLeftovers(wg *sync.WaitGroup, pid int, start time.Time, timeout time.D
 	// pid was reaped but still names the group while members are left;
 	// signal only the group, never a pid that may have been reused. It
 	// fails (ESRCH) when no member is left: nothing to kill.
-	_ = syscall.Kill(-pid, syscall.SIGKILL)
+	if syscall.Kill(-pid, syscall.SIGKILL) == nil {
+		awaitGroupGone(pid, groupGoneMax)
+	}
 	<-drained
+}
+
+// awaitGroupGone waits, up to limit, until no member of process group pgid
+// is left, zombies included: a killed group's zombies still count
+// against the workload's pids limit, and the next command, answered
+// before they are reaped, would find no task free (a fork bomb's 341).
+// Zombies stay in their group until reaped, so kill(-pgid, 0) succeeds
+// until the last is gone.
+func awaitGroupGone(pgid int, limit time.Duration) {
+	deadline := time.Now().Add(limit)
+	for wait := time.Millisecond; syscall.Kill(-pgid, 0) == nil && time.Now().Before(deadline); wait = min(2*wait, 50*time.Millisecond) {
+		time.Sleep(wait)
+	}
 }
 
 // feedStdin copies the host's stdin frames into w until the host's EOF,

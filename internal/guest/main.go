@@ -163,6 +163,13 @@ func runPID1() {
 			time.Sleep(5 * time.Second) // a VM without its channel is of no use
 		}
 	}
+	// Set before the slack it undoes: threads sysmon starts inherit it.
+	processReaper().childSlack.Store(defaultTimerSlack.Nanoseconds())
+	if tid, err := relaxSysmon(sysmonSlack); err != nil {
+		log.Warn("sysmon timer slack", "err", err)
+	} else {
+		log.Debug("sysmon timer slack", "tid", tid, "slack", sysmonSlack)
+	}
 	log.Info("serving", "console", bc.console, "version", Version)
 	for {
 		// The console never ends; a read error is unexpected and retried.

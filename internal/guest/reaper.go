@@ -7,6 +7,7 @@ import (
 	"os/signal"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"syscall"
 
 	"github.com/forkd/forkd/internal/agent/proto"
@@ -38,6 +39,9 @@ type exitStatus struct {
 type reaper struct {
 	reapAll bool
 	log     *slog.Logger
+	// childSlack, when positive, is the timer slack (ns) every child is
+	// born with; see relaxSysmon.
+	childSlack atomic.Int64
 
 	startMu sync.RWMutex
 	mu      sync.Mutex
@@ -75,7 +79,7 @@ func processReaper() *reaper {
 // once.
 func (r *reaper) start(fork func() (int, error)) (int, <-chan exitStatus, error) {
 	r.startMu.RLock()
-	pid, err := fork()
+	pid, err := forkWithSlack(fork, r.childSlack.Load())
 	if err != nil {
 		r.startMu.RUnlock()
 		return 0, nil, err

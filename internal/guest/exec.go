@@ -348,7 +348,9 @@ func (a *Agent) exec(ctx context.Context, r *request, args json.RawMessage) (any
 	// Pipes, open until below: setting a deadline on them cannot fail.
 	_ = std.stdout.SetReadDeadline(time.Now().Add(drainGrace))
 	_ = std.stderr.SetReadDeadline(time.Now().Add(drainGrace))
-	drainLeftovers(&wg, pid, start, req.Timeout, ctx.Done())
+	if !drainLeftovers(&wg, pid, start, req.Timeout, ctx.Done(), a.reaper.reapAll) && ctx.Err() == nil {
+		a.log.Warn("exec: processes it left behind are not gone", "pgid", pid, "after", groupGoneMax)
+	}
 	stopFeed()
 	std.stdout.Close()
 	std.stderr.Close()
@@ -368,8 +370,10 @@ func (a *Agent) exec(ctx context.Context, r *request, args json.RawMessage) (any
 // a foreground command's background children (`cmd &`) end with it; only
 // processes started as background processes, or that left the group, live
 // on. The pumps stop within drainMax; the timeout, measured from start, or
-// cancel kills the group sooner.
-func drainLeftovers(wg *sync.WaitGroup, pid int, start time.Time, timeout time.Duration, cancel <-chan struct{}) {
+// cancel kills the group sooner. When reaped (this agent reaps orphans: PID
+// 1), it also waits for the killed members to be reaped, and reports false
+// if some were still there after groupGoneMax.
+func drainLeftovers(wg *sync.WaitGroup, pid int, start time.Time, timeout time.Duration, cancel <-chan struct{}, reaped bool) bool {
 	drained := make(chan struct{})
 	go func() {
 		wg.Wait()
@@ -389,23 +393,36 @@ func drainLeftovers(wg *sync.WaitGroup, pid int, start time.Time, timeout time.D
 	// pid was reaped but still names the group while members are left;
 	// signal only the group, never a pid that may have been reused. It
 	// fails (ESRCH) when no member is left: nothing to kill.
-	if syscall.Kill(-pid, syscall.SIGKILL) == nil {
-		awaitGroupGone(pid, groupGoneMax)
+	gone := true
+	if syscall.Kill(-pid, syscall.SIGKILL) == nil && reaped {
+		gone = awaitGroupGone(pid, groupGoneMax, cancel)
 	}
 	<-drained
+	return gone
 }
 
-// awaitGroupGone waits, up to limit, until no member of process group pgid
-// is left, zombies included: a killed group's zombies still count
-// against the workload's pids limit, and the next command, answered
-// before they are reaped, would find no task free (a fork bomb's 341).
-// Zombies stay in their group until reaped, so kill(-pgid, 0) succeeds
-// until the last is gone.
-func awaitGroupGone(pgid int, limit time.Duration) {
-	deadline := time.Now().Add(limit)
-	for wait := time.Millisecond; syscall.Kill(-pgid, 0) == nil && time.Now().Before(deadline); wait = min(2*wait, 50*time.Millisecond) {
-		time.Sleep(wait)
+// awaitGroupGone waits until no member of process group pgid is left,
+// zombies included, and reports whether none is; it gives up after limit
+// or once cancel is closed. A killed group's zombies still count against
+// the workload's pids limit until reaped: the next command, answered
+// before, would find no task free (after a fork bomb's 341). Zombies stay
+// in their group until reaped, so kill(-pgid, 0) succeeds until the last
+// is gone.
+func awaitGroupGone(pgid int, limit time.Duration, cancel <-chan struct{}) bool {
+	deadline := time.NewTimer(limit)
+	defer deadline.Stop()
+	wait := time.Millisecond
+	for syscall.Kill(-pgid, 0) == nil {
+		select {
+		case <-time.After(wait):
+		case <-deadline.C:
+			return false
+		case <-cancel:
+			return false
+		}
+		wait = min(2*wait, 50*time.Millisecond)
 	}
+	return true
 }
 
 // feedStdin copies the host's stdin frames into w until the host's EOF,

@@ -79,7 +79,7 @@ func processReaper() *reaper {
 // once.
 func (r *reaper) start(fork func() (int, error)) (int, <-chan exitStatus, error) {
 	r.startMu.RLock()
-	pid, err := forkWithSlack(fork, r.childSlack.Load())
+	pid, err := forkWithSlack(r.log, fork, r.childSlack.Load())
 	if err != nil {
 		r.startMu.RUnlock()
 		return 0, nil, err

@@ -2,6 +2,7 @@ package guest
 
 import (
 	"fmt"
+	"log/slog"
 	"os"
 	"runtime"
 	"strconv"
@@ -60,10 +61,10 @@ func sysmonThread() (int, error) {
 	if err != nil {
 		return 0, err
 	}
-	main, first := os.Getpid(), 0
+	leader, first := os.Getpid(), 0
 	for _, n := range names {
 		tid, err := strconv.Atoi(n)
-		if err != nil || tid == main {
+		if err != nil || tid == leader {
 			continue
 		}
 		if first == 0 || tid < first {
@@ -77,15 +78,16 @@ func sysmonThread() (int, error) {
 }
 
 // forkWithSlack runs fork on a thread whose timer slack is slackNS (when
-// positive): a child inherits the slack of the thread that forks it.
-func forkWithSlack(fork func() (int, error), slackNS int64) (int, error) {
+// positive): a child inherits the slack of the thread that forks it. A
+// slack that cannot be set is logged, and the child forked all the same.
+func forkWithSlack(log *slog.Logger, fork func() (int, error), slackNS int64) (int, error) {
 	if slackNS <= 0 {
 		return fork()
 	}
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
 	if err := unix.Prctl(unix.PR_SET_TIMERSLACK, uintptr(slackNS), 0, 0, 0); err != nil {
-		return 0, fmt.Errorf("timer slack: %w", err)
+		log.Warn("timer slack of a child", "err", err)
 	}
 	return fork()
 }

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"os/exec"
 	"runtime"
 	"strconv"
 	"strings"
@@ -12,40 +13,55 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/forkd/forkd/internal/testutil"
 )
 
-func threadSlack(t *testing.T, tid int) int64 {
-	t.Helper()
+// sysmonChildEnv makes the test binary run TestRelaxSysmon's checks itself:
+// they change its threads' slack, so they run in a process of their own.
+const sysmonChildEnv = "FORKD_TEST_RELAX_SYSMON"
+
+func threadSlack(tid int) (int64, error) {
 	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/timerslack_ns", tid))
 	if err != nil {
-		t.Fatal(err)
+		return 0, err
 	}
-	n, err := strconv.ParseInt(strings.TrimSpace(string(b)), 10, 64)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return n
+	return strconv.ParseInt(strings.TrimSpace(string(b)), 10, 64)
 }
 
-// relaxSysmon changes the slack of the runtime's first thread only.
+// relaxSysmon changes the slack of the runtime's first thread only. Another
+// thread's slack takes CAP_SYS_NICE to read or write: root tier.
 func TestRelaxSysmon(t *testing.T) {
+	if os.Getenv(sysmonChildEnv) == "1" {
+		relaxSysmonChild(t)
+		return
+	}
+	testutil.RequireRoot(t)
+	cmd := exec.Command(os.Args[0], "-test.run=^TestRelaxSysmon$", "-test.count=1", "-test.v")
+	cmd.Env = append(os.Environ(), sysmonChildEnv+"=1")
+	out, err := cmd.CombinedOutput()
+	if err != nil || !strings.Contains(string(out), "--- PASS: TestRelaxSysmon") {
+		t.Fatalf("the test in a process of its own: %v\n%s", err, out)
+	}
+}
+
+func relaxSysmonChild(t *testing.T) {
 	tid, err := sysmonThread()
 	if err != nil {
 		t.Fatal(err)
 	}
-	before, main := threadSlack(t, tid), threadSlack(t, os.Getpid())
-	t.Cleanup(func() {
-		os.WriteFile(fmt.Sprintf("/proc/%d/timerslack_ns", tid), []byte(strconv.FormatInt(before, 10)), 0)
-	})
-	got, err := relaxSysmon(3 * time.Millisecond)
-	if err != nil || got != tid {
+	leader, err := threadSlack(os.Getpid())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, err := relaxSysmon(3 * time.Millisecond); err != nil || got != tid {
 		t.Fatalf("relaxSysmon = %d, %v; want thread %d", got, err, tid)
 	}
-	if s := threadSlack(t, tid); s != 3e6 {
-		t.Errorf("sysmon's slack %d ns, want 3e6", s)
+	if s, err := threadSlack(tid); err != nil || s != 3e6 {
+		t.Errorf("sysmon's slack %d ns, %v; want 3e6", s, err)
 	}
-	if s := threadSlack(t, os.Getpid()); s != main {
-		t.Errorf("the main thread's slack went from %d to %d ns", main, s)
+	if s, err := threadSlack(os.Getpid()); err != nil || s != leader {
+		t.Errorf("the main thread's slack went from %d to %d ns (%v)", leader, s, err)
 	}
 }
 
@@ -54,11 +70,15 @@ func TestRelaxSysmon(t *testing.T) {
 func TestForkWithSlack(t *testing.T) {
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
+	was, err := unix.PrctlRetInt(unix.PR_GET_TIMERSLACK, 0, 0, 0, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Prctl(unix.PR_SET_TIMERSLACK, uintptr(was), 0, 0, 0)
 	// This thread stands for one that sysmon started: a relaxed slack.
 	if err := unix.Prctl(unix.PR_SET_TIMERSLACK, 3e6, 0, 0, 0); err != nil {
 		t.Fatal(err)
 	}
-	defer unix.Prctl(unix.PR_SET_TIMERSLACK, uintptr(defaultTimerSlack.Nanoseconds()), 0, 0, 0)
 	childSlack := func(slackNS int64) string {
 		r, w, err := os.Pipe()
 		if err != nil {
@@ -66,7 +86,7 @@ func TestForkWithSlack(t *testing.T) {
 		}
 		defer r.Close()
 		attr := &syscall.ProcAttr{Files: []uintptr{0, w.Fd(), 2}}
-		pid, err := forkWithSlack(func() (int, error) {
+		pid, err := forkWithSlack(processReaper().log, func() (int, error) {
 			return syscall.ForkExec("/bin/cat", []string{"cat", "/proc/self/timerslack_ns"}, attr)
 		}, slackNS)
 		w.Close()

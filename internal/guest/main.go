@@ -163,8 +163,6 @@ func runPID1() {
 			time.Sleep(5 * time.Second) // a VM without its channel is of no use
 		}
 	}
-	// Set before the slack it undoes: threads sysmon starts inherit it.
-	processReaper().childSlack.Store(defaultTimerSlack.Nanoseconds())
 	if tid, err := relaxSysmon(sysmonSlack); err != nil {
 		log.Warn("sysmon timer slack", "err", err)
 	} else {

@@ -7,7 +7,6 @@ import (
 	"os/signal"
 	"strconv"
 	"sync"
-	"sync/atomic"
 	"syscall"
 
 	"github.com/forkd/forkd/internal/agent/proto"
@@ -39,9 +38,6 @@ type exitStatus struct {
 type reaper struct {
 	reapAll bool
 	log     *slog.Logger
-	// childSlack, when positive, is the timer slack (ns) every child is
-	// born with; see relaxSysmon.
-	childSlack atomic.Int64
 
 	startMu sync.RWMutex
 	mu      sync.Mutex
@@ -79,7 +75,13 @@ func processReaper() *reaper {
 // once.
 func (r *reaper) start(fork func() (int, error)) (int, <-chan exitStatus, error) {
 	r.startMu.RLock()
-	pid, err := forkWithSlack(r.log, fork, r.childSlack.Load())
+	// As PID 1 the agent relaxed sysmon's slack, which threads it starts
+	// inherit: every child is forked with the default (relaxSysmon).
+	var slackNS int64
+	if r.reapAll {
+		slackNS = defaultTimerSlack.Nanoseconds()
+	}
+	pid, err := forkWithSlack(r.log, fork, slackNS)
 	if err != nil {
 		r.startMu.RUnlock()
 		return 0, nil, err

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"syscall"
 
@@ -88,28 +89,33 @@ func Signal(id Identity, sig syscall.Signal) error {
 // Memory returns the host's MemAvailable and MemTotal in bytes, from
 // meminfo.
 func Memory() (avail, total uint64, err error) {
+	kv, err := meminfo("MemAvailable:", "MemTotal:")
+	if err == nil && kv[1] == 0 {
+		err = fmt.Errorf("%s/meminfo: no MemTotal", Root)
+	}
+	return kv[0], kv[1], err
+}
+
+// meminfo returns the named fields of /proc/meminfo (with their colons),
+// in bytes; a field not there is 0.
+func meminfo(names ...string) ([]uint64, error) {
+	out := make([]uint64, len(names))
 	b, err := os.ReadFile(filepath.Join(Root, "meminfo"))
 	if err != nil {
-		return 0, 0, err
+		return out, err
 	}
 	for line := range bytes.Lines(b) {
 		f := bytes.Fields(line)
 		if len(f) < 2 {
 			continue
 		}
-		n, err := strconv.ParseUint(string(f[1]), 10, 64)
-		if err != nil {
+		i := slices.Index(names, string(f[0]))
+		if i < 0 {
 			continue
 		}
-		switch string(f[0]) {
-		case "MemAvailable:":
-			avail = n << 10
-		case "MemTotal:":
-			total = n << 10
+		if n, err := strconv.ParseUint(string(f[1]), 10, 64); err == nil {
+			out[i] = n << 10
 		}
 	}
-	if total == 0 {
-		return 0, 0, fmt.Errorf("%s/meminfo: no MemTotal", Root)
-	}
-	return avail, total, nil
+	return out, nil
 }

@@ -1,0 +1,94 @@
+package proc
+
+import (
+	"bufio"
+	"crypto/rand"
+	"crypto/sha256"
+	"fmt"
+	"os"
+	"os/exec"
+	"testing"
+
+	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/testutil"
+)
+
+func TestPrivateMappings(t *testing.T) {
+	maps := []byte(`55d0c0000000-55d0c0001000 r--p 00000000 fe:01 123 /usr/bin/qemu
+55d0c0001000-55d0c0002000 rw-s 00000000 00:01 7 /memfd:ram (deleted)
+7f0000000000-7f0000400000 rw-p 00000000 00:00 0
+garbage
+7f0000500000-7f0000400000 rw-p 00000000 00:00 0
+ffffffffff600000-ffffffffff601000 --xp 00000000 00:00 0                  [vsyscall]
+`)
+	got := privateMappings(maps)
+	want := []mapping{{0x55d0c0000000, 0x55d0c0001000}, {0x7f0000000000, 0x7f0000400000}}
+	if fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Fatalf("privateMappings = %x, want %x", got, want)
+	}
+}
+
+// pageOutChildEnv makes the test binary a child holding 24 MiB of random
+// bytes: it prints their digest, waits for a line on stdin, then prints
+// the digest again (after its pages went to swap and came back).
+const pageOutChildEnv = "FORKD_TEST_PAGEOUT_CHILD"
+
+func TestPageOut(t *testing.T) {
+	if os.Getenv(pageOutChildEnv) == "1" {
+		buf := make([]byte, 24<<20)
+		rand.Read(buf)
+		fmt.Printf("%x\n", sha256.Sum256(buf))
+		bufio.NewReader(os.Stdin).ReadString('\n')
+		fmt.Printf("%x\n", sha256.Sum256(buf))
+		os.Exit(0)
+	}
+	testutil.RequireRoot(t)
+	if total, free, err := Swap(); err != nil || total == 0 || free < 64<<20 {
+		testutil.Unavailable(t, fmt.Sprintf("PageOut needs swap with 64 MiB free (have %d of %d, %v): scripts/zram-swap.sh", free, total, err))
+	}
+	cmd := exec.Command(os.Args[0], "-test.run=^TestPageOut$")
+	cmd.Env = append(os.Environ(), pageOutChildEnv+"=1")
+	in, err := cmd.StdinPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	pipe, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer func() { cmd.Process.Kill(); cmd.Wait() }()
+	out := bufio.NewReader(pipe)
+	before, err := out.ReadString('\n')
+	if err != nil {
+		t.Fatal(err)
+	}
+	id, err := Self(cmd.Process.Pid)
+	if err != nil {
+		t.Fatal(err)
+	}
+	swapped, err := PageOut(id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The random bytes do not compress: at least most of them left.
+	if swapped < 16<<20 {
+		t.Fatalf("PageOut left %d KiB in swap, want the child's 24 MiB of data", swapped>>10)
+	}
+	fmt.Fprintln(in)
+	after, err := out.ReadString('\n')
+	if err != nil {
+		t.Fatal(err)
+	}
+	if after != before {
+		t.Fatalf("the child's data changed across PageOut: digest %q, then %q", before, after)
+	}
+	if err := cmd.Wait(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := PageOut(id); !errdefs.IsNotFound(err) {
+		t.Fatalf("PageOut of an exited process: %v, want NotFound", err)
+	}
+}

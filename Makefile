@@ -20,6 +20,7 @@ build:
 
 deps:
 	scripts/install-deps.sh
+	scripts/zram-swap.sh
 
 # The main job: from a fresh machine to N children that each ran a command.
 quickstart: build

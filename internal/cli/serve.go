@@ -50,7 +50,7 @@ type serveOptions struct {
 	e2bListen, e2bDomain    string
 	e2bTLSCert, e2bTLSKey   string
 	e2bBase, e2bInterpreter string
-	idleFreeze              time.Duration
+	idleFreeze, idleReclaim time.Duration
 }
 
 func newServeCmd(g *globals) *cobra.Command {
@@ -98,6 +98,7 @@ missing). A non-loopback --listen needs TLS (--tls-cert/--tls-key) unless
 	f.IntVar(&o.maxBranches, "max-branches", sandbox.DefaultMaxBranches, "branches taken at once, 1 to 64; more are refused with 429")
 	f.StringVar(&o.unresponsive, "unresponsive", sandbox.UnresponsiveKeep, "what happens to a sandbox whose agent stops answering: keep (marked unresponsive, kept for inspection) or kill; a create request's on_unresponsive overrides it")
 	f.DurationVar(&o.idleFreeze, "idle-freeze", sandbox.DefaultIdleFreeze, "freeze a sandbox's VMM (no CPU) after this long without requests or inbound traffic, 0 (never) or 1s to 24h; any request wakes it (root, cgroup freezer); a create request's idle_freeze_secs overrides it")
+	f.DurationVar(&o.idleReclaim, "idle-reclaim", sandbox.DefaultIdleReclaim, "page a frozen sandbox's VMM memory out to swap after it stayed frozen this long (its next wake faults back what it touches), 0 (never) or 1s to 24h; needs swap: scripts/zram-swap.sh")
 	f.DurationVar(&o.grace, "shutdown-grace", 10*time.Second, "time requests in flight get to finish at shutdown, 0 to 1h")
 	f.StringVar(&o.e2bListen, "e2b-listen", "", `serve E2B's API on this TCP address too, e.g. 127.0.0.1:3000 (keys: forkd e2b key create; see docs/e2b.md)`)
 	f.StringVar(&o.e2bDomain, "e2b-domain", "", "the E2B sandboxes' domain (with :port if not 443): hosts <port>-<id>.<domain> reach sandbox ports (E2B_DOMAIN)")
@@ -167,6 +168,9 @@ func (o serveOptions) validate() error {
 	}
 	if o.idleFreeze != 0 && (o.idleFreeze < time.Second || o.idleFreeze > sandbox.MaxIdleFreezeSecs*time.Second) {
 		return errdefs.InvalidArgument("--idle-freeze %v: want 0 (never) or 1s to 24h", o.idleFreeze)
+	}
+	if o.idleReclaim != 0 && (o.idleReclaim < time.Second || o.idleReclaim > sandbox.MaxIdleFreezeSecs*time.Second) {
+		return errdefs.InvalidArgument("--idle-reclaim %v: want 0 (never) or 1s to 24h", o.idleReclaim)
 	}
 	if o.bodyTimeout < time.Second || o.bodyTimeout > time.Hour {
 		return errdefs.InvalidArgument("--body-timeout %v: want 1s to 1h", o.bodyTimeout)
@@ -284,6 +288,7 @@ func serve(ctx context.Context, g *globals, o serveOptions) error {
 		c.MaxBranches = o.maxBranches
 		c.OnEvent = events.send
 		c.IdleFreeze = o.idleFreeze
+		c.IdleReclaim = o.idleReclaim
 		c.Progress = io.Discard
 	})
 	if err != nil {

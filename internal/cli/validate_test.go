@@ -150,6 +150,9 @@ func TestServeFlagsRefused(t *testing.T) {
 		{[]string{"serve", "--idle-freeze", "-1s"}, "--idle-freeze"},
 		{[]string{"serve", "--idle-freeze", "500ms"}, "--idle-freeze 500ms: want 0 (never) or 1s to 24h"},
 		{[]string{"serve", "--idle-freeze", "25h"}, "--idle-freeze"},
+		{[]string{"serve", "--idle-reclaim", "-1s"}, "--idle-reclaim"},
+		{[]string{"serve", "--idle-reclaim", "10ms"}, "--idle-reclaim 10ms: want 0 (never) or 1s to 24h"},
+		{[]string{"serve", "--idle-reclaim", "25h"}, "--idle-reclaim"},
 		{[]string{"serve", "--pool", "1e3"}, "--pool"},
 		{[]string{"serve", "--listen", "0.0.0.0:1", "--no-auth"}, "not a loopback address"},
 	})

@@ -95,6 +95,10 @@ type Config struct {
 	// go without requests or inbound traffic before RunIdle freezes it
 	// (a sandbox's own IdleFreezeSecs overrides it).
 	IdleFreeze time.Duration
+	// IdleReclaim, if positive, is how long RunIdle leaves a sandbox
+	// frozen before it pages its VMM's memory out to swap (once per
+	// freeze; needs swap on the host).
+	IdleReclaim time.Duration
 	// OnEvent, if set, receives events outside requests (a sandbox found
 	// unresponsive, and so on); it must not block.
 	OnEvent func(Event)
@@ -292,7 +296,7 @@ func New(cfg Config) (*Engine, error) {
 		restores: make(chan struct{}, cfg.MaxParallel),
 		branches: make(chan struct{}, cfg.MaxBranches),
 		conns:    map[string]*agent.Client{},
-		idle:     idler{m: map[string]*idleState{}},
+		idle:     idler{m: map[string]*idleState{}, reclaimAfter: cfg.IdleReclaim},
 		images: &image.Builder{
 			CacheDir:  cfg.CacheDir,
 			AgentPath: cfg.AgentPath,

@@ -21,6 +21,11 @@ import (
 // request reaches the guest, or by inbound traffic within IdlePoll. After
 // a thaw the guest is told the time. A frozen sandbox keeps its memory,
 // its TTL (the expirer kills it frozen or not) and its network.
+//
+// Idle reclaim: once a sandbox has stayed frozen for IdleReclaim, the
+// idle watch pages its VMM's private memory out (proc.PageOut), to the
+// host's swap: compressed in RAM with zram (scripts/zram-swap.sh). The
+// next wake faults back what the guest touches; the rest stays out.
 
 // DefaultIdleFreeze is forkd serve's --idle-freeze default.
 const DefaultIdleFreeze = 10 * time.Second
@@ -46,6 +51,14 @@ const cpuWindow = time.Second
 // idleRescan is how often the idle watch reloads the list of sandboxes.
 const idleRescan = 2 * time.Second
 
+// DefaultIdleReclaim is forkd serve's --idle-reclaim default: an agent
+// idle this long does not notice the next wake's page-ins (about 0.1 s).
+const DefaultIdleReclaim = time.Minute
+
+// reclaimSwapFree is the free swap below which the idle watch pages
+// nothing out: a VMM holds some tens of MiB.
+const reclaimSwapFree = 256 << 20
+
 // ValidateIdleFreezeSecs checks a sandbox's own idle-freeze time.
 func ValidateIdleFreezeSecs(secs int) error {
 	if secs < -1 || secs > MaxIdleFreezeSecs {
@@ -62,6 +75,11 @@ type FreezeStats struct {
 	// WakeSeconds is the sum of the wakes' latencies (thaw and clock
 	// resync), for a mean.
 	WakeSeconds float64 `json:"wake_seconds"`
+	Reclaimed   int     `json:"reclaimed"` // frozen sandboxes paged out now
+	Reclaims    int64   `json:"reclaims"`  // page-outs done
+	// SwappedBytes is how much of the paged-out VMMs was in swap right
+	// after each page-out, summed.
+	SwappedBytes int64 `json:"swapped_bytes"`
 }
 
 // idleState is what the idle watch knows of one sandbox.
@@ -77,6 +95,10 @@ type idleState struct {
 	cpu    time.Duration
 	cpuAt  time.Time
 	frozen bool
+	// frozenAt is when it was frozen; reclaimed is set once its VMM
+	// was paged out during this freeze.
+	frozenAt  time.Time
+	reclaimed bool
 	// resync is set by a thaw: the next client of the sandbox tells the
 	// guest the time first.
 	resync bool
@@ -88,6 +110,14 @@ type idler struct {
 	m     map[string]*idleState // by sandbox id
 	stats FreezeStats
 	locks keyedLocks // serialise freeze and thaw of a sandbox
+	// reclaiming is set while page-outs run (one at a time); noSwap
+	// when the last one found the host's swap full or absent, at
+	// swapChecked. Guarded by mu.
+	reclaiming, noSwap bool
+	swapChecked        time.Time
+	// reclaimAfter is Config.IdleReclaim, or what SetIdleReclaim set.
+	// Guarded by mu.
+	reclaimAfter time.Duration
 }
 
 // canFreeze reports whether the engine freezes idle sandboxes.
@@ -114,6 +144,9 @@ func (e *Engine) FreezeStats() FreezeStats {
 	for _, st := range e.idle.m {
 		if st.frozen {
 			s.Frozen++
+			if st.reclaimed {
+				s.Reclaimed++
+			}
 		}
 	}
 	return s
@@ -180,7 +213,7 @@ func (e *Engine) thaw(id string, st *idleState) error {
 		return fmt.Errorf("wake sandbox %s: %w", id, err)
 	}
 	e.idle.mu.Lock()
-	st.frozen, st.resync = false, true
+	st.frozen, st.resync, st.reclaimed = false, true, false
 	e.idle.stats.Wakes++
 	e.idle.mu.Unlock()
 	return nil
@@ -230,6 +263,13 @@ func (e *Engine) RunIdle(ctx context.Context) {
 		return
 	}
 	defer e.thawAll()
+	if e.cfg.IdleReclaim > 0 {
+		if total, _, err := proc.Swap(); err == nil && total == 0 {
+			e.log.Warn("idle sandboxes' memory is not reclaimed: this host has no swap (scripts/zram-swap.sh gives it compressed swap in RAM)")
+		}
+	}
+	var reclaims sync.WaitGroup
+	defer reclaims.Wait()
 	tick := time.NewTicker(IdlePoll)
 	defer tick.Stop()
 	var scanned time.Time
@@ -238,7 +278,7 @@ func (e *Engine) RunIdle(ctx context.Context) {
 			e.rescanIdle()
 			scanned = time.Now()
 		}
-		e.idleTick()
+		e.idleTick(ctx, &reclaims)
 		select {
 		case <-ctx.Done():
 			return
@@ -282,12 +322,15 @@ func (e *Engine) rescanIdle() {
 	}
 }
 
-// idleTick wakes frozen sandboxes with new inbound traffic and freezes the
-// running ones idle for their time.
-func (e *Engine) idleTick() {
+// idleTick wakes frozen sandboxes with new inbound traffic, freezes the
+// running ones idle for their time and starts paging out the ones frozen
+// for their reclaim time (in reclaims).
+func (e *Engine) idleTick(ctx context.Context, reclaims *sync.WaitGroup) {
 	now := time.Now()
 	var freeze, wake []string
+	var reclaim []reclaimJob
 	e.idle.mu.Lock()
+	pick := e.idle.reclaimAfter > 0 && !e.idle.reclaiming && (!e.idle.noSwap || now.Sub(e.idle.swapChecked) >= reclaimRetry)
 	for id, st := range e.idle.m {
 		if st.slot >= 0 {
 			if n, err := e.cfg.Net.Inbound(st.slot); err == nil && n != st.inbound {
@@ -299,6 +342,9 @@ func (e *Engine) idleTick() {
 				continue
 			}
 		}
+		if pick && e.reclaimable(st, now) {
+			reclaim = append(reclaim, reclaimJob{id, st.pid})
+		}
 		if st.frozen || st.busy > 0 || st.after <= 0 || st.pid.PID == 0 || now.Sub(st.cpuAt) < cpuWindow {
 			continue
 		}
@@ -308,6 +354,10 @@ func (e *Engine) idleTick() {
 		case known && now.Sub(st.last) >= st.after:
 			freeze = append(freeze, id)
 		}
+	}
+	if len(reclaim) > 0 {
+		e.idle.reclaiming = true
+		reclaims.Go(func() { e.reclaim(ctx, reclaim) })
 	}
 	e.idle.mu.Unlock()
 	for _, id := range wake {
@@ -372,11 +422,85 @@ func (e *Engine) freeze(id string) error {
 		return errors.Join(errdefs.NotFound("sandbox %s: its VMM went away while it was frozen", id), e.cfg.Cgroups.Thaw(id))
 	}
 	e.idle.mu.Lock()
-	st.frozen, st.cpuAt = true, time.Time{}
+	st.frozen, st.cpuAt, st.frozenAt, st.reclaimed = true, time.Time{}, time.Now(), false
 	e.idle.stats.Freezes++
 	e.idle.mu.Unlock()
 	e.log.Debug("sandbox frozen", "sandbox", id)
 	return nil
+}
+
+// reclaimJob names a frozen sandbox to page out.
+type reclaimJob struct {
+	id  string
+	pid proc.Identity
+}
+
+// reclaimable reports whether st has been frozen for its reclaim time
+// and not paged out since. Called with e.idle.mu held.
+func (e *Engine) reclaimable(st *idleState, now time.Time) bool {
+	return st.frozen && !st.reclaimed && st.pid.PID != 0 && e.idle.reclaimAfter > 0 && now.Sub(st.frozenAt) >= e.idle.reclaimAfter
+}
+
+// SetIdleReclaim changes how long the idle watch leaves a sandbox frozen
+// before it pages it out (Config.IdleReclaim; 0 never), for sandboxes
+// frozen now too. For benchmarks, which measure without it first.
+func (e *Engine) SetIdleReclaim(d time.Duration) {
+	e.idle.mu.Lock()
+	defer e.idle.mu.Unlock()
+	e.idle.reclaimAfter = d
+}
+
+// reclaimRetry is how long the idle watch waits to look for swap again
+// after finding none free.
+const reclaimRetry = 10 * time.Second
+
+// reclaim pages out the VMMs of jobs one after the other, each only while
+// its sandbox is still frozen and reclaimable, and only while the host has
+// swap free, until ctx ends. A wake meanwhile costs nothing but the
+// page-ins.
+func (e *Engine) reclaim(ctx context.Context, jobs []reclaimJob) {
+	defer func() {
+		e.idle.mu.Lock()
+		e.idle.reclaiming = false
+		e.idle.mu.Unlock()
+	}()
+	for _, j := range jobs {
+		if ctx.Err() != nil {
+			return
+		}
+		_, free, err := proc.Swap()
+		e.idle.mu.Lock()
+		warn := free < reclaimSwapFree && !e.idle.noSwap
+		e.idle.noSwap, e.idle.swapChecked = free < reclaimSwapFree, time.Now()
+		st := e.idle.m[j.id]
+		still := !e.idle.noSwap && st != nil && st.pid == j.pid && e.reclaimable(st, time.Now())
+		e.idle.mu.Unlock()
+		if warn {
+			e.log.Warn("idle reclaim paused: the host's swap is full or absent", "swap_free_mib", free>>20, "err", err)
+		}
+		if free < reclaimSwapFree {
+			return
+		}
+		if !still {
+			continue
+		}
+		swapped, err := proc.PageOut(j.pid)
+		if err != nil {
+			if !errdefs.IsNotFound(err) {
+				e.log.Warn("idle watch: page out", "sandbox", j.id, "err", err)
+			}
+			continue
+		}
+		e.idle.mu.Lock()
+		// A wake meanwhile cleared frozen: that freeze was not reclaimed.
+		if st.frozen && st.pid == j.pid {
+			st.reclaimed = true
+		}
+		e.idle.stats.Reclaims++
+		e.idle.stats.SwappedBytes += swapped
+		e.idle.mu.Unlock()
+		e.log.Debug("sandbox paged out", "sandbox", j.id, "swapped_mib", swapped>>20)
+	}
 }
 
 // thawAll thaws every sandbox the idle watch froze.

@@ -15,6 +15,7 @@ import (
 	"github.com/forkd/forkd/internal/agent/proto"
 	"github.com/forkd/forkd/internal/cgroup"
 	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/proc"
 	"github.com/forkd/forkd/internal/sandbox"
 	"github.com/forkd/forkd/internal/testutil"
 	"github.com/forkd/forkd/internal/testvm"
@@ -209,6 +210,70 @@ func TestIdleFreezeVM(t *testing.T) {
 			}
 			return err
 		})
+	})
+	// Idle reclaim: once frozen for its reclaim time the child's VMM is
+	// paged out to swap, and it still answers everything, its files and
+	// its interpreter's state kept.
+	t.Run("reclaim", func(t *testing.T) {
+		if total, free, err := proc.Swap(); err != nil || total == 0 || free < 256<<20 {
+			testutil.Unavailable(t, fmt.Sprintf("idle reclaim needs swap with 256 MiB free (have %d of %d, %v): scripts/zram-swap.sh", free, total, err))
+		}
+		if _, err := c.Eval(ctx, id, apiv1.EvalRequest{Code: "kept = 'interp'"}); err != nil {
+			t.Fatal(err)
+		}
+		s, err := c.GetSandbox(ctx, id)
+		if err != nil {
+			t.Fatal(err)
+		}
+		before := d.e.FreezeStats().Reclaims
+		d.e.SetIdleReclaim(time.Second)
+		defer d.e.SetIdleReclaim(0)
+		// paged waits until the daemon froze the child and paged its VMM
+		// out: a warmed python guest's VMM holds some tens of MiB of its
+		// own, most of which goes.
+		paged := func(t *testing.T) {
+			t.Helper()
+			frozen(t, id)
+			for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(100 * time.Millisecond) {
+				swapped, err := proc.SwapBytes(s.PID)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if swapped >= 8<<20 {
+					return
+				}
+				if time.Now().After(deadline) {
+					t.Fatalf("VMM %d frozen, %d KiB in swap: not paged out (%+v)", s.PID, swapped>>10, d.e.FreezeStats())
+				}
+			}
+		}
+		paged(t)
+		awake(t, "exec after a page-out", func(ctx context.Context) error {
+			r, err := c.Exec(ctx, id, apiv1.ExecRequest{Args: []string{"cat", "/tmp/f"}})
+			if err == nil && r.Stdout != "kept" {
+				err = fmt.Errorf("stdout %q", r.Stdout)
+			}
+			return err
+		})
+		paged(t)
+		awake(t, "eval after a page-out", func(ctx context.Context) error {
+			r, err := c.Eval(ctx, id, apiv1.EvalRequest{Code: "kept"})
+			if err == nil && r.Value != "'interp'" {
+				err = fmt.Errorf("eval %+v", r)
+			}
+			return err
+		})
+		paged(t)
+		awake(t, "GET after a page-out", func(ctx context.Context) error {
+			body, err := get(ctx, url)
+			if err == nil && body != "frozen-ok\n" {
+				err = fmt.Errorf("body %q", body)
+			}
+			return err
+		})
+		if st := d.e.FreezeStats(); st.Reclaims-before < 3 || st.SwappedBytes <= 0 {
+			t.Errorf("freeze stats %+v after three page-outs", st)
+		}
 	})
 	t.Run("metrics", func(t *testing.T) {
 		st := d.e.FreezeStats()

@@ -95,8 +95,17 @@ func newMetrics(s *Server, reg *prometheus.Registry) *metrics {
 	wakeTime := prometheus.NewCounterFunc(prometheus.CounterOpts{
 		Name: "forkd_sandbox_wake_seconds_total", Help: "Time wakes took, from the request to the guest's clock set (mean: divide by forkd_sandbox_wakes_total).",
 	}, func() float64 { return s.e.FreezeStats().WakeSeconds })
+	reclaimed := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name: "forkd_sandboxes_reclaimed", Help: "Frozen sandboxes whose VMM memory was paged out (serve --idle-reclaim).",
+	}, func() float64 { return float64(s.e.FreezeStats().Reclaimed) })
+	reclaims := prometheus.NewCounterFunc(prometheus.CounterOpts{
+		Name: "forkd_sandbox_reclaims_total", Help: "Page-outs of frozen sandboxes' VMM memory.",
+	}, func() float64 { return float64(s.e.FreezeStats().Reclaims) })
+	swapped := prometheus.NewCounterFunc(prometheus.CounterOpts{
+		Name: "forkd_sandbox_reclaimed_bytes_total", Help: "VMM memory in swap right after each page-out, summed.",
+	}, func() float64 { return float64(s.e.FreezeStats().SwappedBytes) })
 	reg.MustRegister(m.requests, m.latency, m.inFlight, m.created, m.failed, m.rejected, m.expired, m.events, m.readyTime, live, snaps, unresponsive, bodies,
-		frozen, freezes, wakes, wakeTime,
+		frozen, freezes, wakes, wakeTime, reclaimed, reclaims, swapped,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	m.handler = promhttp.HandlerFor(reg, promhttp.HandlerOpts{})
 	return m

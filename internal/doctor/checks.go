@@ -386,6 +386,34 @@ func (r *run) ksm(ctx context.Context) Check {
 	return Check{Status: Pass, Detail: "KSM on, pages_sharing=" + sharing}
 }
 
+// swap: forkd serve --idle-reclaim pages frozen sandboxes out to swap.
+func (r *run) swap(ctx context.Context) Check {
+	b, err := os.ReadFile(r.proc("swaps"))
+	if err != nil {
+		return Check{Status: Skip, Detail: "no /proc/swaps: " + err.Error()}
+	}
+	var zram, other []string
+	for i, line := range strings.Split(strings.TrimSpace(string(b)), "\n") {
+		f := strings.Fields(line)
+		if i == 0 || len(f) < 3 {
+			continue
+		}
+		if strings.HasPrefix(filepath.Base(f[0]), "zram") {
+			zram = append(zram, f[0])
+		} else {
+			other = append(other, f[0])
+		}
+	}
+	switch {
+	case len(zram) > 0:
+		return Check{Status: Pass, Detail: "compressed swap in RAM (" + strings.Join(append(zram, other...), ", ") + "): serve --idle-reclaim pages idle sandboxes out to it"}
+	case len(other) > 0:
+		return Check{Status: Pass, Detail: "swap on " + strings.Join(other, ", ") + ": serve --idle-reclaim pages idle sandboxes out to it (their next wake reads it back)"}
+	}
+	return Check{Status: Warn, Detail: "no swap: idle sandboxes stay resident (serve --idle-reclaim has nowhere to page them out)",
+		Hint: "as root: scripts/zram-swap.sh (compressed swap in RAM, a quarter of RAM at most)"}
+}
+
 func (r *run) hugepages(ctx context.Context) Check {
 	kv := map[string]string{}
 	if b, err := os.ReadFile(r.proc("meminfo")); err == nil {

@@ -250,6 +250,7 @@ var checks = []struct {
 	{"userfaultfd", (*run).userfaultfd},
 	{"memfd", (*run).memfd},
 	{"ksm", (*run).ksm},
+	{"swap", (*run).swap},
 	{"hugepages", (*run).hugepages},
 	{"data-dir", (*run).dataDir},
 	{"image-tools", (*run).imageTools},

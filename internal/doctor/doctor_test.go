@@ -58,6 +58,7 @@ func newFakeHost(t *testing.T) *fakeHost {
 	write(t, filepath.Join(h.proc, "self", "cgroup"), "1:cpu:/\n2:cpuacct:/\n3:memory:/process_api/x\n4:pids:/\n5:blkio:/\n0::/\n")
 	write(t, filepath.Join(h.proc, "sys/net/ipv4/ip_forward"), "0\n")
 	write(t, filepath.Join(h.proc, "sys/vm/unprivileged_userfaultfd"), "0\n")
+	write(t, filepath.Join(h.proc, "swaps"), "Filename\t\t\t\tType\t\tSize\t\tUsed\t\tPriority\n")
 	write(t, filepath.Join(h.proc, "meminfo"), "MemTotal: 1 kB\nHugePages_Total:       0\nHugePages_Free:        0\nHugepagesize:       2048 kB\n")
 	write(t, filepath.Join(h.sys, "kernel/mm/ksm/run"), "1\n")
 	write(t, filepath.Join(h.sys, "kernel/mm/ksm/pages_sharing"), "5\n")
@@ -143,9 +144,10 @@ func TestThisKindOfHost(t *testing.T) {
 	expect(t, rep, map[string]Status{
 		"platform": Pass, "cpu-virtualisation": Warn, "kvm": Warn, "qemu": Pass, "firecracker": Skip,
 		"guest-kernel": Pass, "cgroups": Pass, "ip-forward": Warn, "nftables": Skip, "netns-tap": Skip,
-		"userfaultfd": Warn, "memfd": Pass, "ksm": Pass, "hugepages": Warn, "data-dir": Pass,
+		"userfaultfd": Warn, "memfd": Pass, "ksm": Pass, "swap": Warn, "hugepages": Warn, "data-dir": Pass,
 		"image-tools": Pass, "agent": Skip, "vmm-user": Skip, "controller": Pass, "backend": Warn,
 	}, map[string]string{
+		"swap":         "no swap",
 		"kvm":          "KVM_CREATE_VM works) but the CPU shows no vmx/svm",
 		"cgroups":      "memory on v1",
 		"guest-kernel": "linux-image-6.1.0-56-cloud-amd64 6.1.192-2",
@@ -177,9 +179,13 @@ func TestKVMHostWithoutQEMU(t *testing.T) {
 	h := newFakeHost(t)
 	write(t, filepath.Join(h.proc, "cpuinfo"), "flags\t\t: fpu vmx sse2\n")
 	h.bins = map[string]string{"firecracker": "Firecracker v1.16.1\n"}
+	write(t, filepath.Join(h.proc, "swaps"), "Filename\tType\tSize\tUsed\tPriority\n/dev/zram0 partition\t6170624\t0\t100\n")
 	opts := h.options(t)
 	opts.Controller = "http://127.0.0.1:8889"
 	rep := Run(context.Background(), opts)
+	if c, _ := rep.Get("swap"); c.Status != Pass || !strings.Contains(c.Detail, "compressed swap in RAM (/dev/zram0)") {
+		t.Errorf("swap: %s %q", c.Status, c.Detail)
+	}
 	// Firecracker and KVM work, but forkd has no Firecracker backend yet:
 	// without QEMU no backend runs, and doctor says so.
 	expect(t, rep, map[string]Status{"cpu-virtualisation": Pass, "kvm": Pass, "qemu": Fail, "firecracker": Pass,

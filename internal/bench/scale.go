@@ -14,6 +14,7 @@ import (
 	"github.com/forkd/forkd/internal/agent"
 	"github.com/forkd/forkd/internal/errdefs"
 	"github.com/forkd/forkd/internal/image"
+	"github.com/forkd/forkd/internal/proc"
 	"github.com/forkd/forkd/internal/sandbox"
 )
 
@@ -23,7 +24,10 @@ type ScaleOptions struct {
 	Image     string
 	MemoryMiB int
 	IdleFor   time.Duration // how long idle CPU is sampled, each time
-	Progress  io.Writer
+	// IdleReclaim is how long a child stays frozen before the idle watch
+	// pages it out; 0 skips the reclaim phase.
+	IdleReclaim time.Duration
+	Progress    io.Writer
 }
 
 // MaxScale is the most children RunScale forks.
@@ -42,6 +46,9 @@ func (o *ScaleOptions) Validate() error {
 	}
 	if err := image.ValidateName(o.Image); err != nil {
 		return fmt.Errorf("--image: %w", err)
+	}
+	if o.IdleReclaim != 0 && (o.IdleReclaim < time.Second || o.IdleReclaim > 10*time.Minute) {
+		return errdefs.InvalidArgument("--idle-reclaim %v: want 0 (no reclaim phase) or 1s to 10m", o.IdleReclaim)
 	}
 	return nil
 }
@@ -112,7 +119,46 @@ type ScaleResult struct {
 	ExecAwakeSteady     Summary `json:"exec_awake_steady_ms"`
 	MeanWakeSteadyMS    float64 `json:"mean_wake_steady_ms,omitempty"`
 
+	// The reclaim phase (once the steady execs are done, with
+	// --idle-reclaim): every child frozen again and left until the idle
+	// watch paged its VMM out (AllReclaimedMS after they were frozen);
+	// Reclaimed children were. Memory is measured then (Reclaimed*), and
+	// again right after an exec in each, woken from paged out
+	// (ExecReclaimed, ExecAwakeReclaimed): the pages that exec touched
+	// are back, the rest stay out (AfterWake*).
+	AllReclaimedMS      float64      `json:"all_reclaimed_ms,omitempty"`
+	Reclaimed           int          `json:"reclaimed"`
+	ReclaimedMemory     *ChildMemory `json:"reclaimed_memory,omitempty"`
+	ExecReclaimed       Summary      `json:"exec_reclaimed_ms"`
+	ExecAwakeReclaimed  Summary      `json:"exec_awake_reclaimed_ms"`
+	MeanWakeReclaimedMS float64      `json:"mean_wake_reclaimed_ms,omitempty"`
+	AfterWakeMemory     *ChildMemory `json:"after_wake_memory,omitempty"`
+	// Then, every child frozen again (not paged out again), an exec in
+	// each, and the memory after it: the state of a child the daemon
+	// paged out once and that was woken more often than IdleReclaim since.
+	ExecAfterReclaim       Summary      `json:"exec_after_reclaim_ms"`
+	ExecAwakeAfterReclaim  Summary      `json:"exec_awake_after_reclaim_ms"`
+	MeanWakeAfterReclaimMS float64      `json:"mean_wake_after_reclaim_ms,omitempty"`
+	AfterReclaimMemory     *ChildMemory `json:"after_reclaim_memory,omitempty"`
+
 	KillAllMS float64 `json:"kill_all_ms"`
+}
+
+// ChildMemory is what the children's VMMs hold, per child.
+type ChildMemory struct {
+	// PrivateMiB is resident private memory (as ChildPrivateMiB);
+	// SwapMiB what is in swap.
+	PrivateMiB Summary `json:"private_mib"`
+	SwapMiB    Summary `json:"swap_mib"`
+	// ZramUsedPerOrig is the RAM zram holds per byte stored in it, over
+	// all its devices (0: no zram in use); HostMiB is the mean resident
+	// private memory plus the swap's share of that RAM, per child: what
+	// each costs the host. HostCompactedMiB is the same once zram has
+	// compacted its pools (as it does under memory pressure).
+	ZramUsedPerOrig      float64 `json:"zram_used_per_orig"`
+	HostMiB              float64 `json:"host_mib"`
+	ZramCompactedPerOrig float64 `json:"zram_compacted_used_per_orig"`
+	HostCompactedMiB     float64 `json:"host_compacted_mib"`
 }
 
 // RunScale forks o.N children of a new snapshot in one call with e, which
@@ -316,7 +362,79 @@ func scaleFrozen(ctx context.Context, e *sandbox.Engine, ids []string, pids []in
 	var failed int
 	r.ExecRoundtripSteady, r.ExecAwakeSteady, r.MeanWakeSteadyMS, failed = execEach(ctx, e, ids, say)
 	r.ExecFailed += failed
-	return nil
+	return scaleReclaimed(ctx, e, ids, pids, o.IdleReclaim, r, say)
+}
+
+// scaleReclaimed turns the idle watch's reclaim on (after d), waits until
+// it has paged every child out, and turns it off; it measures their
+// memory, times an exec in each (woken from paged out), measures their
+// memory again, then times an exec in each woken from frozen once more
+// and measures their memory a last time.
+func scaleReclaimed(ctx context.Context, e *sandbox.Engine, ids []string, pids []int, d time.Duration, r *ScaleResult, say func(string, ...any)) error {
+	if d <= 0 {
+		return nil
+	}
+	say("waiting for the idle watch to freeze them and page them out (after %s)", d)
+	waitFrozen(e, len(ids))
+	e.SetIdleReclaim(d)
+	start := time.Now()
+	for e.FreezeStats().Reclaimed < len(ids) && time.Since(start) < d+2*time.Minute {
+		time.Sleep(100 * time.Millisecond)
+	}
+	r.AllReclaimedMS = msSince(start)
+	// Off again: a child woken early in the exec round below must not be
+	// paged out again before the memory after it is measured.
+	e.SetIdleReclaim(0)
+	if r.Reclaimed = e.FreezeStats().Reclaimed; r.Reclaimed == 0 {
+		say("nothing was paged out: this host has no swap (scripts/zram-swap.sh)")
+		return nil
+	}
+	var err error
+	if r.ReclaimedMemory, err = childMemory(pids); err != nil {
+		return err
+	}
+	say("exec in each child, woken from paged out")
+	var failed int
+	r.ExecReclaimed, r.ExecAwakeReclaimed, r.MeanWakeReclaimedMS, failed = execEach(ctx, e, ids, say)
+	r.ExecFailed += failed
+	if r.AfterWakeMemory, err = childMemory(pids); err != nil {
+		return err
+	}
+	// Reclaim stays off: the daemon pages a child out once per freeze
+	// of IdleReclaim, so one that is woken again sooner finds its pages
+	// as the last wake left them.
+	waitFrozen(e, len(ids))
+	say("exec in each child again, woken from frozen, not paged out again")
+	r.ExecAfterReclaim, r.ExecAwakeAfterReclaim, r.MeanWakeAfterReclaimMS, failed = execEach(ctx, e, ids, say)
+	r.ExecFailed += failed
+	r.AfterReclaimMemory, err = childMemory(pids)
+	return err
+}
+
+// childMemory measures the memory of the VMMs pids.
+func childMemory(pids []int) (*ChildMemory, error) {
+	var priv, swap []float64
+	var sumPriv, sumSwap float64
+	for _, pid := range pids {
+		t, _, err := smapsPrivate(pid, "")
+		if err != nil {
+			return nil, err
+		}
+		sw, err := proc.SwapBytes(pid)
+		if err != nil {
+			return nil, err
+		}
+		p, s := float64(t)/1024, float64(sw)/(1<<20)
+		priv, swap = append(priv, p), append(swap, s)
+		sumPriv, sumSwap = sumPriv+p, sumSwap+s
+	}
+	m := &ChildMemory{PrivateMiB: Summarize(priv), SwapMiB: Summarize(swap)}
+	n := float64(len(pids))
+	m.ZramUsedPerOrig = zramUsedPerOrig(false)
+	m.HostMiB = (sumPriv + sumSwap*m.ZramUsedPerOrig) / n
+	m.ZramCompactedPerOrig = zramUsedPerOrig(true)
+	m.HostCompactedMiB = (sumPriv + sumSwap*m.ZramCompactedPerOrig) / n
+	return m, nil
 }
 
 // waitFrozen waits up to two minutes until the idle watch shows n

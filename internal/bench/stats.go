@@ -8,6 +8,7 @@ import (
 	"io"
 	"math"
 	"os"
+	"path/filepath"
 	"runtime"
 	"sort"
 	"strconv"
@@ -124,6 +125,33 @@ func smapsPrivate(pid int, file string) (total, inFile int64, err error) {
 		}
 	}
 	return total, inFile, nil
+}
+
+// zramUsedPerOrig returns the RAM the host's zram devices hold per byte
+// stored in them (mm_stat mem_used_total / orig_data_size), 0 when they
+// store nothing; with compact, after asking each to compact its pool
+// first.
+func zramUsedPerOrig(compact bool) float64 {
+	devs, _ := filepath.Glob("/sys/block/zram*")
+	var orig, used float64
+	for _, d := range devs {
+		if compact {
+			// Best effort: an old kernel has no compact; used stays.
+			_ = os.WriteFile(filepath.Join(d, "compact"), []byte("1"), 0)
+		}
+		b, err := os.ReadFile(filepath.Join(d, "mm_stat"))
+		f := strings.Fields(string(b))
+		if err != nil || len(f) < 3 {
+			continue
+		}
+		o, _ := strconv.ParseFloat(f[0], 64)
+		u, _ := strconv.ParseFloat(f[2], 64)
+		orig, used = orig+o, used+u
+	}
+	if orig == 0 {
+		return 0
+	}
+	return used / orig
 }
 
 // cpuTicks returns a process's utime+stime in clock ticks.

@@ -19,13 +19,14 @@ func newBenchCmd(g *globals) *cobra.Command {
 	var asJSON, withBranch, branchOnly, withDisk, diskOnly bool
 	var diskImage string
 	var scale int
+	var reclaim time.Duration
 	cmd := &cobra.Command{
 		Use:   "bench [-n N | --scale N] [--json]",
 		Short: "Measure cold boot vs fork, per-child memory and CPU, exec round trips",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if cmd.Flags().Changed("scale") {
-				return benchScale(cmd, g, bench.ScaleOptions{N: scale, Image: o.Image, MemoryMiB: o.MemoryMiB, IdleFor: o.IdleFor}, asJSON)
+				return benchScale(cmd, g, bench.ScaleOptions{N: scale, Image: o.Image, MemoryMiB: o.MemoryMiB, IdleFor: o.IdleFor, IdleReclaim: reclaim}, asJSON)
 			}
 			if err := o.Validate(); err != nil {
 				return err
@@ -95,6 +96,7 @@ func newBenchCmd(g *globals) *cobra.Command {
 	f.BoolVar(&diskOnly, "disk-only", false, "measure the writable disk only (with --branch-only: both)")
 	f.StringVar(&diskImage, "disk-image", "python", "image the disk is measured on (one with a root file system)")
 	f.IntVar(&scale, "scale", 0, fmt.Sprintf("instead: fork this many children in one call through a daemon's engine (pool, idle freezing) and measure them all, 1 to %d", bench.MaxScale))
+	f.DurationVar(&reclaim, "idle-reclaim", 10*time.Second, "with --scale, last: how long the children stay frozen before the idle watch pages them out (serve --idle-reclaim), then memory and execs again; 0 skips that, or 1s to 10m")
 	return cmd
 }
 
@@ -229,6 +231,22 @@ func benchScale(cmd *cobra.Command, g *globals, o bench.ScaleOptions, asJSON boo
 	if r.PoolFullRefillMS > 0 {
 		fmt.Fprintf(g.stdout, "exec over all once the pool is full (%.0f s after the fork), each woken: p50 %.0f ms, p90 %.0f ms, p99 %.0f ms (mean wake %.0f ms); awake: p50 %.0f ms\n",
 			r.PoolFullRefillMS/1000, r.ExecRoundtripSteady.P50, r.ExecRoundtripSteady.P90, r.ExecRoundtripSteady.P99, r.MeanWakeSteadyMS, r.ExecAwakeSteady.P50)
+	}
+	if m := r.ReclaimedMemory; m != nil {
+		fmt.Fprintf(g.stdout, "paged out (%d, all %.0f s after frozen): resident p50 %.1f MiB, swap p50 %.1f MiB; host per child %.1f MiB (%.1f compacted; zram holds %.2f of what it stores)\n",
+			r.Reclaimed, r.AllReclaimedMS/1000, m.PrivateMiB.P50, m.SwapMiB.P50, m.HostMiB, m.HostCompactedMiB, m.ZramCompactedPerOrig)
+		fmt.Fprintf(g.stdout, "exec over all, each woken from paged out: p50 %.0f ms, p90 %.0f ms, p99 %.0f ms (mean wake %.0f ms); awake: p50 %.0f ms\n",
+			r.ExecReclaimed.P50, r.ExecReclaimed.P90, r.ExecReclaimed.P99, r.MeanWakeReclaimedMS, r.ExecAwakeReclaimed.P50)
+	}
+	if m := r.AfterWakeMemory; m != nil {
+		fmt.Fprintf(g.stdout, "after that exec: resident p50 %.1f MiB p90 %.1f MiB, swap p50 %.1f MiB; host per child %.1f MiB (%.1f compacted)\n",
+			m.PrivateMiB.P50, m.PrivateMiB.P90, m.SwapMiB.P50, m.HostMiB, m.HostCompactedMiB)
+	}
+	if m := r.AfterReclaimMemory; m != nil {
+		fmt.Fprintf(g.stdout, "exec over all, each woken from frozen again (not paged out again): p50 %.0f ms, p90 %.0f ms, p99 %.0f ms (mean wake %.0f ms); awake: p50 %.0f ms\n",
+			r.ExecAfterReclaim.P50, r.ExecAfterReclaim.P90, r.ExecAfterReclaim.P99, r.MeanWakeAfterReclaimMS, r.ExecAwakeAfterReclaim.P50)
+		fmt.Fprintf(g.stdout, "after that exec: resident p50 %.1f MiB p90 %.1f MiB, swap p50 %.1f MiB; host per child %.1f MiB (%.1f compacted)\n",
+			m.PrivateMiB.P50, m.PrivateMiB.P90, m.SwapMiB.P50, m.HostMiB, m.HostCompactedMiB)
 	}
 	fmt.Fprintf(g.stdout, "kill all: %.1f s\n", r.KillAllMS/1000)
 	return nil

@@ -171,6 +171,8 @@ func TestBenchFlagsRefused(t *testing.T) {
 		{[]string{"bench", "--image", "../x"}, "--image"},
 		{[]string{"bench", "--scale", "0"}, "--scale 0: want 1 to 1000"},
 		{[]string{"bench", "--scale", "1001"}, "--scale 1001"},
+		{[]string{"bench", "--scale", "10", "--idle-reclaim", "500ms"}, "--idle-reclaim 500ms: want 0 (no reclaim phase) or 1s to 10m"},
+		{[]string{"bench", "--scale", "10", "--idle-reclaim", "11m"}, "--idle-reclaim 11m0s"},
 	})
 }
 

@@ -10,58 +10,100 @@ import (
 	"strconv"
 	"unsafe"
 
-	"github.com/forkd/forkd/internal/errdefs"
 	"golang.org/x/sys/unix"
+
+	"github.com/forkd/forkd/internal/errdefs"
 )
+
+// ErrStopped is PageOut's error when its keep function said stop.
+var ErrStopped = errors.New("page-out stopped")
+
+// pageOutChunk is the most one process_madvise call is given: the kernel
+// advises at most about 2 GiB a call and returns how much it did.
+const pageOutChunk = 1 << 30
 
 // PageOut asks the kernel to reclaim the private memory of the process
 // named by id now (process_madvise MADV_PAGEOUT over each of its private
-// mappings): its anonymous pages go to swap, its file pages mapped by it
-// alone are dropped; pages it shares are left alone. The process need not
-// run (a frozen one is fine) and loses nothing: what it touches again
-// faults back in. Without swap only file pages go. It returns how much of
-// the process is in swap afterwards, in bytes. The caller needs
-// CAP_SYS_NICE and ptrace read access to the process (root).
-func PageOut(id Identity) (swapped int64, err error) {
+// mappings, through a pidfd): its anonymous pages go to swap, and its
+// file pages no other process maps leave the page cache. Pages mapped by
+// several processes stay. The process need not run (a frozen one is
+// fine) and loses nothing: what it touches again faults back in. Without
+// swap (or with a cgroup that allows it none) only file pages go.
+//
+// keep, if not nil, is asked before each mapping and each GiB of one:
+// once it returns false PageOut stops with ErrStopped. It returns how
+// many bytes of the process went to swap (its VmSwap after, less
+// before). It fails with a NotFound-class error once the process has
+// exited. The caller needs CAP_SYS_NICE and ptrace read access to the
+// process (root); without them, or on a kernel before 5.10, the error
+// wraps EPERM or ENOSYS.
+func PageOut(id Identity, keep func() bool) (moved int64, err error) {
 	p, err := Open(id)
 	if err != nil {
 		return 0, err
 	}
 	defer p.Close()
-	// The pidfd pins the pid: the maps read below are this process's.
+	gone := func(err error) error {
+		if exited(p.fd) {
+			return errdefs.NotFound("process %d has exited", id.PID)
+		}
+		return err
+	}
+	// Read through the pid: the start time checked by Open says these
+	// are the process's until it exits, and then the pidfd calls below
+	// fail with ESRCH.
+	before, err := SwapBytes(id.PID)
+	if err != nil {
+		return 0, gone(err)
+	}
 	maps, err := os.ReadFile(filepath.Join(Root, strconv.Itoa(id.PID), "maps"))
 	if err != nil {
-		return 0, err
+		return 0, gone(err)
 	}
 	var errs []error
 	for _, m := range privateMappings(maps) {
-		// An address in the other process: a struct iovec of plain
-		// integers, never a Go pointer.
-		iov := [2]uint64{m.start, m.end - m.start}
-		// Each mapping alone: the kernel stops a vector at the first
-		// range it cannot advise (one unmapped meanwhile).
-		_, _, e := unix.Syscall6(unix.SYS_PROCESS_MADVISE, uintptr(p.fd), uintptr(unsafe.Pointer(&iov)), 1, unix.MADV_PAGEOUT, 0, 0)
-		switch e {
-		case 0, unix.EINVAL, unix.ENOMEM:
-			// EINVAL: a mapping the advice does not apply to (locked,
-			// PFN maps); ENOMEM: unmapped since maps was read.
-		case unix.ESRCH:
-			return 0, errdefs.NotFound("process %d has exited", id.PID)
-		default:
-			errs = append(errs, fmt.Errorf("page out %d %#x-%#x: %w", id.PID, m.start, m.end, e))
-			if len(errs) >= 3 {
-				return 0, errors.Join(errs...)
+		for off := m.start; off < m.end; {
+			if keep != nil && !keep() {
+				return 0, ErrStopped
 			}
+			n := min(m.end-off, pageOutChunk)
+			// An address in the other process: a struct iovec of plain
+			// integers, never a Go pointer.
+			iov := [2]uint64{off, n}
+			done, _, e := unix.Syscall6(unix.SYS_PROCESS_MADVISE, uintptr(p.fd), uintptr(unsafe.Pointer(&iov)), 1, unix.MADV_PAGEOUT, 0, 0)
+			switch e {
+			case 0:
+				if done > 0 && uint64(done) < n {
+					n = uint64(done)
+				}
+				off += n
+				continue
+			case unix.EINVAL, unix.ENOMEM:
+				// EINVAL: a mapping the advice does not apply to
+				// (locked, PFN maps); ENOMEM: unmapped since maps was
+				// read.
+			case unix.ESRCH:
+				return 0, errdefs.NotFound("process %d has exited", id.PID)
+			case unix.ENOSYS, unix.EPERM, unix.EACCES:
+				return 0, fmt.Errorf("page out %d: process_madvise: %w", id.PID, e)
+			default:
+				errs = append(errs, fmt.Errorf("page out %d %#x-%#x: %w", id.PID, m.start, m.end, e))
+				if len(errs) >= 3 {
+					return 0, errors.Join(errs...)
+				}
+			}
+			break
 		}
 	}
 	if len(errs) > 0 {
 		return 0, errors.Join(errs...)
 	}
-	return SwapBytes(id.PID)
+	after, err := SwapBytes(id.PID)
+	if err != nil {
+		return 0, gone(err)
+	}
+	return max(after-before, 0), nil
 }
-
-// SwapBytes returns how much of process pid is in swap (VmSwap).
-func SwapBytes(pid int) (int64, error) { return statusKiB(pid, "VmSwap:") }
 
 // mapping is one line of /proc/PID/maps.
 type mapping struct{ start, end uint64 }
@@ -89,6 +131,9 @@ func privateMappings(maps []byte) []mapping {
 	}
 	return out
 }
+
+// SwapBytes returns how much of process pid is in swap (VmSwap).
+func SwapBytes(pid int) (int64, error) { return statusKiB(pid, "VmSwap:") }
 
 // statusKiB returns a "Name:  N kB" field of /proc/PID/status, in bytes.
 func statusKiB(pid int, name string) (int64, error) {

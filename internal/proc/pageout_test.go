@@ -4,10 +4,13 @@ import (
 	"bufio"
 	"crypto/rand"
 	"crypto/sha256"
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
 	"testing"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/forkd/forkd/internal/errdefs"
 	"github.com/forkd/forkd/internal/testutil"
@@ -29,17 +32,32 @@ ffffffffff600000-ffffffffff601000 --xp 00000000 00:00 0                  [vsysca
 }
 
 // pageOutChildEnv makes the test binary a child holding 24 MiB of random
-// bytes: it prints their digest, waits for a line on stdin, then prints
-// the digest again (after its pages went to swap and came back).
+// bytes, at the start of one 3 GiB mapping and 2.5 GiB into it (past what
+// one process_madvise call advises): it prints their digest, waits for a
+// line on stdin, then prints the digest again (after its pages went to
+// swap and came back).
 const pageOutChildEnv = "FORKD_TEST_PAGEOUT_CHILD"
 
 func TestPageOut(t *testing.T) {
 	if os.Getenv(pageOutChildEnv) == "1" {
-		buf := make([]byte, 24<<20)
-		rand.Read(buf)
-		fmt.Printf("%x\n", sha256.Sum256(buf))
+		m, err := unix.Mmap(-1, 0, 3<<30, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+		if err != nil {
+			panic(err)
+		}
+		parts := [][]byte{m[:16<<20], m[5<<29 : 5<<29+8<<20]}
+		digest := func() string {
+			h := sha256.New()
+			for _, p := range parts {
+				h.Write(p)
+			}
+			return fmt.Sprintf("%x", h.Sum(nil))
+		}
+		for _, p := range parts {
+			rand.Read(p)
+		}
+		fmt.Println(digest())
 		bufio.NewReader(os.Stdin).ReadString('\n')
-		fmt.Printf("%x\n", sha256.Sum256(buf))
+		fmt.Println(digest())
 		os.Exit(0)
 	}
 	testutil.RequireRoot(t)
@@ -69,13 +87,17 @@ func TestPageOut(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	swapped, err := PageOut(id)
+	if _, err := PageOut(id, func() bool { return false }); !errors.Is(err, ErrStopped) {
+		t.Fatalf("PageOut told to stop at once: %v, want ErrStopped", err)
+	}
+	moved, err := PageOut(id, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
-	// The random bytes do not compress: at least most of them left.
-	if swapped < 16<<20 {
-		t.Fatalf("PageOut left %d KiB in swap, want the child's 24 MiB of data", swapped>>10)
+	// Random bytes do not compress; all 24 MiB of them go, the 8 past
+	// 2 GiB included.
+	if swap, _ := SwapBytes(id.PID); moved < 23<<20 || swap < moved {
+		t.Fatalf("PageOut moved %d KiB to swap (VmSwap %d KiB), want the child's 24 MiB of data", moved>>10, swap>>10)
 	}
 	fmt.Fprintln(in)
 	after, err := out.ReadString('\n')
@@ -88,7 +110,7 @@ func TestPageOut(t *testing.T) {
 	if err := cmd.Wait(); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := PageOut(id); !errdefs.IsNotFound(err) {
+	if _, err := PageOut(id, nil); !errdefs.IsNotFound(err) {
 		t.Fatalf("PageOut of an exited process: %v, want NotFound", err)
 	}
 }

@@ -30,6 +30,7 @@ import (
 	"github.com/forkd/forkd/internal/hub"
 	"github.com/forkd/forkd/internal/image"
 	"github.com/forkd/forkd/internal/netns"
+	"github.com/forkd/forkd/internal/proc"
 	"github.com/forkd/forkd/internal/progress"
 	"github.com/forkd/forkd/internal/snapshot"
 	"github.com/forkd/forkd/internal/state"
@@ -296,7 +297,7 @@ func New(cfg Config) (*Engine, error) {
 		restores: make(chan struct{}, cfg.MaxParallel),
 		branches: make(chan struct{}, cfg.MaxBranches),
 		conns:    map[string]*agent.Client{},
-		idle:     idler{m: map[string]*idleState{}, reclaimAfter: cfg.IdleReclaim},
+		idle:     idler{m: map[string]*idleState{}, reclaimAfter: cfg.IdleReclaim, pageOut: proc.PageOut, swapFree: hostSwapFree},
 		images: &image.Builder{
 			CacheDir:  cfg.CacheDir,
 			AgentPath: cfg.AgentPath,

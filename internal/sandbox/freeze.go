@@ -12,6 +12,7 @@ import (
 	"github.com/forkd/forkd/internal/errdefs"
 	"github.com/forkd/forkd/internal/proc"
 	"github.com/forkd/forkd/internal/state"
+	"golang.org/x/sys/unix"
 )
 
 // Idle freezing (daemon mode): a running sandbox that has had no request
@@ -76,9 +77,8 @@ type FreezeStats struct {
 	// resync), for a mean.
 	WakeSeconds float64 `json:"wake_seconds"`
 	Reclaimed   int     `json:"reclaimed"` // frozen sandboxes paged out now
-	Reclaims    int64   `json:"reclaims"`  // page-outs done
-	// SwappedBytes is how much of the paged-out VMMs was in swap right
-	// after each page-out, summed.
+	Reclaims    int64   `json:"reclaims"`  // page-outs that moved memory to swap
+	// SwappedBytes is what the page-outs moved to swap, summed.
 	SwappedBytes int64 `json:"swapped_bytes"`
 }
 
@@ -95,10 +95,12 @@ type idleState struct {
 	cpu    time.Duration
 	cpuAt  time.Time
 	frozen bool
-	// frozenAt is when it was frozen; reclaimed is set once its VMM
-	// was paged out during this freeze.
-	frozenAt  time.Time
-	reclaimed bool
+	// frozenAt is when it was frozen, gen counts its freezes; tried is
+	// set once a page-out of its VMM started during this freeze, and
+	// reclaimed once one moved memory to swap.
+	frozenAt         time.Time
+	gen              uint64
+	tried, reclaimed bool
 	// resync is set by a thaw: the next client of the sandbox tells the
 	// guest the time first.
 	resync bool
@@ -112,12 +114,23 @@ type idler struct {
 	locks keyedLocks // serialise freeze and thaw of a sandbox
 	// reclaiming is set while page-outs run (one at a time); noSwap
 	// when the last one found the host's swap full or absent, at
-	// swapChecked. Guarded by mu.
-	reclaiming, noSwap bool
-	swapChecked        time.Time
+	// swapChecked; cannot once the kernel refused page-outs for good
+	// (too old, or not permitted). Guarded by mu.
+	reclaiming, noSwap, cannot bool
+	swapChecked                time.Time
 	// reclaimAfter is Config.IdleReclaim, or what SetIdleReclaim set.
 	// Guarded by mu.
 	reclaimAfter time.Duration
+	// pageOut and swapFree are proc.PageOut and the host's free swap;
+	// unit tests replace them.
+	pageOut  func(proc.Identity, func() bool) (int64, error)
+	swapFree func() (uint64, error)
+}
+
+// hostSwapFree returns the host's free swap.
+func hostSwapFree() (uint64, error) {
+	_, free, err := proc.Swap()
+	return free, err
 }
 
 // canFreeze reports whether the engine freezes idle sandboxes.
@@ -213,7 +226,7 @@ func (e *Engine) thaw(id string, st *idleState) error {
 		return fmt.Errorf("wake sandbox %s: %w", id, err)
 	}
 	e.idle.mu.Lock()
-	st.frozen, st.resync, st.reclaimed = false, true, false
+	st.frozen, st.resync = false, true
 	e.idle.stats.Wakes++
 	e.idle.mu.Unlock()
 	return nil
@@ -330,7 +343,7 @@ func (e *Engine) idleTick(ctx context.Context, reclaims *sync.WaitGroup) {
 	var freeze, wake []string
 	var reclaim []reclaimJob
 	e.idle.mu.Lock()
-	pick := e.idle.reclaimAfter > 0 && !e.idle.reclaiming && (!e.idle.noSwap || now.Sub(e.idle.swapChecked) >= reclaimRetry)
+	pick := e.idle.reclaimAfter > 0 && !e.idle.reclaiming && !e.idle.cannot && (!e.idle.noSwap || now.Sub(e.idle.swapChecked) >= reclaimRetry)
 	for id, st := range e.idle.m {
 		if st.slot >= 0 {
 			if n, err := e.cfg.Net.Inbound(st.slot); err == nil && n != st.inbound {
@@ -343,7 +356,7 @@ func (e *Engine) idleTick(ctx context.Context, reclaims *sync.WaitGroup) {
 			}
 		}
 		if pick && e.reclaimable(st, now) {
-			reclaim = append(reclaim, reclaimJob{id, st.pid})
+			reclaim = append(reclaim, reclaimJob{id, st.pid, st.gen})
 		}
 		if st.frozen || st.busy > 0 || st.after <= 0 || st.pid.PID == 0 || now.Sub(st.cpuAt) < cpuWindow {
 			continue
@@ -422,23 +435,35 @@ func (e *Engine) freeze(id string) error {
 		return errors.Join(errdefs.NotFound("sandbox %s: its VMM went away while it was frozen", id), e.cfg.Cgroups.Thaw(id))
 	}
 	e.idle.mu.Lock()
-	st.frozen, st.cpuAt, st.frozenAt, st.reclaimed = true, time.Time{}, time.Now(), false
+	st.frozen, st.cpuAt, st.frozenAt = true, time.Time{}, time.Now()
+	st.gen++
+	st.tried, st.reclaimed = false, false
 	e.idle.stats.Freezes++
 	e.idle.mu.Unlock()
 	e.log.Debug("sandbox frozen", "sandbox", id)
 	return nil
 }
 
-// reclaimJob names a frozen sandbox to page out.
+// reclaimJob names a frozen sandbox to page out, during its gen'th
+// freeze.
 type reclaimJob struct {
 	id  string
 	pid proc.Identity
+	gen uint64
 }
 
-// reclaimable reports whether st has been frozen for its reclaim time
-// and not paged out since. Called with e.idle.mu held.
+// reclaimable reports whether st has been frozen for its reclaim time,
+// nothing is waking it, and no page-out was tried during this freeze.
+// Called with e.idle.mu held.
 func (e *Engine) reclaimable(st *idleState, now time.Time) bool {
-	return st.frozen && !st.reclaimed && st.pid.PID != 0 && e.idle.reclaimAfter > 0 && now.Sub(st.frozenAt) >= e.idle.reclaimAfter
+	return st.frozen && !st.tried && st.busy == 0 && st.pid.PID != 0 && e.idle.reclaimAfter > 0 && now.Sub(st.frozenAt) >= e.idle.reclaimAfter
+}
+
+// stillFrozen reports whether j's sandbox is still in j's freeze, with
+// nothing waking it. Called with e.idle.mu held.
+func (e *Engine) stillFrozen(j reclaimJob) bool {
+	st := e.idle.m[j.id]
+	return st != nil && st.frozen && st.gen == j.gen && st.pid == j.pid && st.busy == 0 && e.idle.reclaimAfter > 0
 }
 
 // SetIdleReclaim changes how long the idle watch leaves a sandbox frozen
@@ -455,9 +480,10 @@ func (e *Engine) SetIdleReclaim(d time.Duration) {
 const reclaimRetry = 10 * time.Second
 
 // reclaim pages out the VMMs of jobs one after the other, each only while
-// its sandbox is still frozen and reclaimable, and only while the host has
-// swap free, until ctx ends. A wake meanwhile costs nothing but the
-// page-ins.
+// its sandbox stays in the freeze it was picked in, and only while the
+// host has swap free, until ctx ends. A page-out stops as soon as its
+// sandbox is being woken, so a request never waits on it; it is tried
+// once a freeze.
 func (e *Engine) reclaim(ctx context.Context, jobs []reclaimJob) {
 	defer func() {
 		e.idle.mu.Lock()
@@ -468,12 +494,15 @@ func (e *Engine) reclaim(ctx context.Context, jobs []reclaimJob) {
 		if ctx.Err() != nil {
 			return
 		}
-		_, free, err := proc.Swap()
+		free, err := e.idle.swapFree()
 		e.idle.mu.Lock()
 		warn := free < reclaimSwapFree && !e.idle.noSwap
 		e.idle.noSwap, e.idle.swapChecked = free < reclaimSwapFree, time.Now()
 		st := e.idle.m[j.id]
-		still := !e.idle.noSwap && st != nil && st.pid == j.pid && e.reclaimable(st, time.Now())
+		still := !e.idle.noSwap && st != nil && e.stillFrozen(j) && e.reclaimable(st, time.Now())
+		if still {
+			st.tried = true
+		}
 		e.idle.mu.Unlock()
 		if warn {
 			e.log.Warn("idle reclaim paused: the host's swap is full or absent", "swap_free_mib", free>>20, "err", err)
@@ -484,22 +513,36 @@ func (e *Engine) reclaim(ctx context.Context, jobs []reclaimJob) {
 		if !still {
 			continue
 		}
-		swapped, err := proc.PageOut(j.pid)
-		if err != nil {
-			if !errdefs.IsNotFound(err) {
-				e.log.Warn("idle watch: page out", "sandbox", j.id, "err", err)
-			}
+		moved, err := e.idle.pageOut(j.pid, func() bool {
+			e.idle.mu.Lock()
+			defer e.idle.mu.Unlock()
+			return ctx.Err() == nil && e.stillFrozen(j)
+		})
+		switch {
+		case errors.Is(err, unix.ENOSYS), errors.Is(err, unix.EPERM), errors.Is(err, unix.EACCES):
+			e.idle.mu.Lock()
+			e.idle.cannot = true
+			e.idle.mu.Unlock()
+			e.log.Warn("idle sandboxes' memory is not reclaimed: the kernel refuses process_madvise (Linux 5.10 or later, and CAP_SYS_NICE, needed)", "err", err)
+			return
+		case errors.Is(err, proc.ErrStopped), errdefs.IsNotFound(err):
+			continue
+		case err != nil:
+			e.log.Warn("idle watch: page out", "sandbox", j.id, "err", err)
 			continue
 		}
 		e.idle.mu.Lock()
-		// A wake meanwhile cleared frozen: that freeze was not reclaimed.
-		if st.frozen && st.pid == j.pid {
-			st.reclaimed = true
+		// Nothing moved: a cgroup that allows it no swap (cgroup v2 with
+		// a memory limit sets memory.swap.max 0), or nothing left to go.
+		if moved > 0 {
+			if e.stillFrozen(j) {
+				st.reclaimed = true
+			}
+			e.idle.stats.Reclaims++
+			e.idle.stats.SwappedBytes += moved
 		}
-		e.idle.stats.Reclaims++
-		e.idle.stats.SwappedBytes += swapped
 		e.idle.mu.Unlock()
-		e.log.Debug("sandbox paged out", "sandbox", j.id, "swapped_mib", swapped>>20)
+		e.log.Debug("sandbox paged out", "sandbox", j.id, "moved_mib", moved>>20)
 	}
 }
 

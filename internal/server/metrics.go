@@ -99,10 +99,10 @@ func newMetrics(s *Server, reg *prometheus.Registry) *metrics {
 		Name: "forkd_sandboxes_reclaimed", Help: "Frozen sandboxes whose VMM memory was paged out (serve --idle-reclaim).",
 	}, func() float64 { return float64(s.e.FreezeStats().Reclaimed) })
 	reclaims := prometheus.NewCounterFunc(prometheus.CounterOpts{
-		Name: "forkd_sandbox_reclaims_total", Help: "Page-outs of frozen sandboxes' VMM memory.",
+		Name: "forkd_sandbox_reclaims_total", Help: "Page-outs of frozen sandboxes' VMMs that moved memory to swap.",
 	}, func() float64 { return float64(s.e.FreezeStats().Reclaims) })
 	swapped := prometheus.NewCounterFunc(prometheus.CounterOpts{
-		Name: "forkd_sandbox_reclaimed_bytes_total", Help: "VMM memory in swap right after each page-out, summed.",
+		Name: "forkd_sandbox_reclaimed_bytes_total", Help: "VMM memory the page-outs moved to swap.",
 	}, func() float64 { return float64(s.e.FreezeStats().SwappedBytes) })
 	reg.MustRegister(m.requests, m.latency, m.inFlight, m.created, m.failed, m.rejected, m.expired, m.events, m.readyTime, live, snaps, unresponsive, bodies,
 		frozen, freezes, wakes, wakeTime, reclaimed, reclaims, swapped,

@@ -1,0 +1,112 @@
+package sandbox
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/forkd/forkd/internal/proc"
+)
+
+// The idle watch pages out a sandbox frozen for its reclaim time, once a
+// freeze, never one being woken; a wake stops a page-out under way; full
+// swap pauses it and a kernel that refuses it turns it off. The page-out
+// and the host's swap are fakes here (TestIdleFreezeVM pages out real
+// VMMs).
+func TestIdleReclaim(t *testing.T) {
+	e := fakeEngine(t)
+	var mu sync.Mutex
+	var calls []int
+	result := func(proc.Identity, func() bool) (int64, error) { return 30 << 20, nil }
+	e.idle.pageOut = func(id proc.Identity, keep func() bool) (int64, error) {
+		mu.Lock()
+		calls = append(calls, id.PID)
+		f := result
+		mu.Unlock()
+		return f(id, keep)
+	}
+	free := uint64(1 << 30)
+	e.idle.swapFree = func() (uint64, error) { return free, nil }
+	e.SetIdleReclaim(time.Minute)
+	long := time.Now().Add(-2 * time.Minute)
+	frozen := func(pid int, since time.Time) *idleState {
+		return &idleState{frozen: true, frozenAt: since, gen: 1, slot: -1, pid: proc.Identity{PID: pid, StartTime: 1}}
+	}
+	e.idle.m["a"] = frozen(1, long)
+	e.idle.m["busy"] = frozen(2, long)
+	e.idle.m["busy"].busy = 1
+	e.idle.m["recent"] = frozen(3, time.Now())
+	tick := func() []int {
+		t.Helper()
+		mu.Lock()
+		calls = nil
+		mu.Unlock()
+		var wg sync.WaitGroup
+		e.idleTick(context.Background(), &wg)
+		wg.Wait()
+		mu.Lock()
+		defer mu.Unlock()
+		return append([]int(nil), calls...)
+	}
+	want := func(got []int, pids ...int) {
+		t.Helper()
+		if fmt.Sprint(got) != fmt.Sprint(pids) {
+			t.Fatalf("paged out %v, want %v", got, pids)
+		}
+	}
+
+	want(tick(), 1)
+	if st := e.FreezeStats(); st.Reclaimed != 1 || st.Reclaims != 1 || st.SwappedBytes != 30<<20 {
+		t.Fatalf("stats %+v after one page-out", st)
+	}
+	want(tick()) // once a freeze
+
+	// A new freeze of the same sandbox is paged out again, once its
+	// reclaim time has passed.
+	e.idle.m["a"].gen, e.idle.m["a"].frozenAt, e.idle.m["a"].tried, e.idle.m["a"].reclaimed = 2, long, false, false
+	// A wake that starts during the page-out stops it: not counted.
+	result = func(_ proc.Identity, keep func() bool) (int64, error) {
+		e.idle.mu.Lock()
+		e.idle.m["a"].busy = 1
+		e.idle.mu.Unlock()
+		if keep() {
+			t.Error("keep() true for a sandbox being woken")
+		}
+		return 0, proc.ErrStopped
+	}
+	want(tick(), 1)
+	if st := e.FreezeStats(); st.Reclaimed != 0 || st.Reclaims != 1 {
+		t.Fatalf("stats %+v after a page-out a wake stopped", st)
+	}
+
+	// Nothing moved (a cgroup with no swap allowed): tried, not counted.
+	e.idle.m["a"].busy, e.idle.m["a"].gen, e.idle.m["a"].tried = 0, 3, false
+	result = func(proc.Identity, func() bool) (int64, error) { return 0, nil }
+	want(tick(), 1)
+	if st := e.FreezeStats(); st.Reclaimed != 0 || st.Reclaims != 1 {
+		t.Fatalf("stats %+v after a page-out that moved nothing", st)
+	}
+
+	// Full swap: nothing is paged out, and nothing is tried for 10 s.
+	e.idle.m["recent"].frozenAt = long
+	free = 100 << 20
+	want(tick())
+	free = 1 << 30
+	want(tick())
+	e.idle.swapChecked = time.Now().Add(-reclaimRetry)
+	result = func(proc.Identity, func() bool) (int64, error) { return 1 << 20, nil }
+	want(tick(), 3)
+
+	// A kernel that refuses process_madvise turns page-outs off.
+	e.idle.m["a"].gen, e.idle.m["a"].tried = 4, false
+	result = func(proc.Identity, func() bool) (int64, error) {
+		return 0, fmt.Errorf("page out: %w", unix.ENOSYS)
+	}
+	want(tick(), 1)
+	e.idle.m["a"].gen, e.idle.m["a"].tried = 5, false
+	want(tick())
+}

@@ -411,7 +411,7 @@ func (r *run) swap(ctx context.Context) Check {
 		return Check{Status: Pass, Detail: "swap on " + strings.Join(other, ", ") + ": serve --idle-reclaim pages idle sandboxes out to it (their next wake reads it back)"}
 	}
 	return Check{Status: Warn, Detail: "no swap: idle sandboxes stay resident (serve --idle-reclaim has nowhere to page them out)",
-		Hint: "as root: scripts/zram-swap.sh (compressed swap in RAM, a quarter of RAM at most)"}
+		Hint: "as root: scripts/zram-swap.sh (compressed swap in RAM, sized half of RAM uncompressed)"}
 }
 
 func (r *run) hugepages(ctx context.Context) Check {

@@ -22,8 +22,12 @@ func TestRealHost(t *testing.T) {
 	var sb strings.Builder
 	rep.WriteText(&sb)
 	t.Logf("doctor took %v:\n%s", time.Since(start).Round(time.Millisecond), sb.String())
-	// swap: make deps (scripts/zram-swap.sh) gives a host without any.
-	want := map[string]Status{"platform": Pass, "qemu": Pass, "nftables": Pass, "netns-tap": Pass, "memfd": Pass, "swap": Pass}
+	want := map[string]Status{"platform": Pass, "qemu": Pass, "nftables": Pass, "netns-tap": Pass, "memfd": Pass}
+	// make deps (scripts/zram-swap.sh) gives swap to a host without any,
+	// where the host lets it: CI's does.
+	if testutil.Strict() {
+		want["swap"] = Pass
+	}
 	for name, st := range want {
 		if c, _ := rep.Get(name); c.Status != st {
 			t.Errorf("%s: %s %q, want %s", name, c.Status, c.Detail, st)

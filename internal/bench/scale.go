@@ -121,8 +121,9 @@ type ScaleResult struct {
 
 	// The reclaim phase (once the steady execs are done, with
 	// --idle-reclaim): every child frozen again and left until the idle
-	// watch paged its VMM out (AllReclaimedMS after they were frozen);
-	// Reclaimed children were. Memory is measured then (Reclaimed*), and
+	// watch paged its VMM out (AllReclaimedMS after the page-outs were
+	// turned on, or until none was for half a minute); Reclaimed
+	// children were. Memory is measured then (Reclaimed*), and
 	// again right after an exec in each, woken from paged out
 	// (ExecReclaimed, ExecAwakeReclaimed): the pages that exec touched
 	// are back, the rest stay out (AfterWake*).
@@ -374,19 +375,31 @@ func scaleReclaimed(ctx context.Context, e *sandbox.Engine, ids []string, pids [
 	if d <= 0 {
 		return nil
 	}
+	if total, free, err := proc.Swap(); err != nil {
+		return err
+	} else if total == 0 || free == 0 {
+		say("no page-outs: this host has no swap free (scripts/zram-swap.sh)")
+		return nil
+	}
 	say("waiting for the idle watch to freeze them and page them out (after %s)", d)
 	waitFrozen(e, len(ids))
+	want := e.FreezeStats().Frozen
 	e.SetIdleReclaim(d)
-	start := time.Now()
-	for e.FreezeStats().Reclaimed < len(ids) && time.Since(start) < d+2*time.Minute {
+	// Until all frozen are paged out, or none was for half a minute
+	// (swap full).
+	start, n, grew := time.Now(), 0, time.Now()
+	for n < want && time.Since(grew) < d+30*time.Second {
 		time.Sleep(100 * time.Millisecond)
+		if m := e.FreezeStats().Reclaimed; m > n {
+			n, grew = m, time.Now()
+		}
 	}
 	r.AllReclaimedMS = msSince(start)
 	// Off again: a child woken early in the exec round below must not be
 	// paged out again before the memory after it is measured.
 	e.SetIdleReclaim(0)
 	if r.Reclaimed = e.FreezeStats().Reclaimed; r.Reclaimed == 0 {
-		say("nothing was paged out: this host has no swap (scripts/zram-swap.sh)")
+		say("nothing was paged out (the daemon's log says why)")
 		return nil
 	}
 	var err error

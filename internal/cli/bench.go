@@ -11,6 +11,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/forkd/forkd/internal/bench"
+	"github.com/forkd/forkd/internal/errdefs"
 	"github.com/forkd/forkd/internal/sandbox"
 )
 
@@ -25,6 +26,9 @@ func newBenchCmd(g *globals) *cobra.Command {
 		Short: "Measure cold boot vs fork, per-child memory and CPU, exec round trips",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
+			if cmd.Flags().Changed("idle-reclaim") && !cmd.Flags().Changed("scale") {
+				return errdefs.InvalidArgument("--idle-reclaim goes with --scale")
+			}
 			if cmd.Flags().Changed("scale") {
 				return benchScale(cmd, g, bench.ScaleOptions{N: scale, Image: o.Image, MemoryMiB: o.MemoryMiB, IdleFor: o.IdleFor, IdleReclaim: reclaim}, asJSON)
 			}
@@ -233,7 +237,7 @@ func benchScale(cmd *cobra.Command, g *globals, o bench.ScaleOptions, asJSON boo
 			r.PoolFullRefillMS/1000, r.ExecRoundtripSteady.P50, r.ExecRoundtripSteady.P90, r.ExecRoundtripSteady.P99, r.MeanWakeSteadyMS, r.ExecAwakeSteady.P50)
 	}
 	if m := r.ReclaimedMemory; m != nil {
-		fmt.Fprintf(g.stdout, "paged out (%d, all %.0f s after frozen): resident p50 %.1f MiB, swap p50 %.1f MiB; host per child %.1f MiB (%.1f compacted; zram holds %.2f of what it stores)\n",
+		fmt.Fprintf(g.stdout, "paged out (%d, in %.0f s): resident p50 %.1f MiB, swap p50 %.1f MiB; host per child %.1f MiB (%.1f compacted; zram holds %.2f of what it stores)\n",
 			r.Reclaimed, r.AllReclaimedMS/1000, m.PrivateMiB.P50, m.SwapMiB.P50, m.HostMiB, m.HostCompactedMiB, m.ZramCompactedPerOrig)
 		fmt.Fprintf(g.stdout, "exec over all, each woken from paged out: p50 %.0f ms, p90 %.0f ms, p99 %.0f ms (mean wake %.0f ms); awake: p50 %.0f ms\n",
 			r.ExecReclaimed.P50, r.ExecReclaimed.P90, r.ExecReclaimed.P99, r.MeanWakeReclaimedMS, r.ExecAwakeReclaimed.P50)

@@ -173,6 +173,7 @@ func TestBenchFlagsRefused(t *testing.T) {
 		{[]string{"bench", "--scale", "1001"}, "--scale 1001"},
 		{[]string{"bench", "--scale", "10", "--idle-reclaim", "500ms"}, "--idle-reclaim 500ms: want 0 (no reclaim phase) or 1s to 10m"},
 		{[]string{"bench", "--scale", "10", "--idle-reclaim", "11m"}, "--idle-reclaim 11m0s"},
+		{[]string{"bench", "--idle-reclaim", "5s"}, "--idle-reclaim goes with --scale"},
 	})
 }
 

@@ -83,29 +83,30 @@ func newMetrics(s *Server, reg *prometheus.Registry) *metrics {
 		}
 		return float64(n)
 	})
-	frozen := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
-		Name: "forkd_sandboxes_frozen", Help: "Sandboxes frozen while idle (serve --idle-freeze).",
-	}, func() float64 { return float64(s.e.FreezeStats().Frozen) })
-	freezes := prometheus.NewCounterFunc(prometheus.CounterOpts{
-		Name: "forkd_sandbox_freezes_total", Help: "Idle sandboxes frozen.",
-	}, func() float64 { return float64(s.e.FreezeStats().Freezes) })
-	wakes := prometheus.NewCounterFunc(prometheus.CounterOpts{
-		Name: "forkd_sandbox_wakes_total", Help: "Frozen sandboxes woken by a request or inbound traffic.",
-	}, func() float64 { return float64(s.e.FreezeStats().Wakes) })
-	wakeTime := prometheus.NewCounterFunc(prometheus.CounterOpts{
-		Name: "forkd_sandbox_wake_seconds_total", Help: "Time wakes took, from the request to the guest's clock set (mean: divide by forkd_sandbox_wakes_total).",
-	}, func() float64 { return s.e.FreezeStats().WakeSeconds })
-	reclaimed := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
-		Name: "forkd_sandboxes_reclaimed", Help: "Frozen sandboxes whose VMM memory was paged out (serve --idle-reclaim).",
-	}, func() float64 { return float64(s.e.FreezeStats().Reclaimed) })
-	reclaims := prometheus.NewCounterFunc(prometheus.CounterOpts{
-		Name: "forkd_sandbox_reclaims_total", Help: "Page-outs of frozen sandboxes' VMMs that moved memory to swap.",
-	}, func() float64 { return float64(s.e.FreezeStats().Reclaims) })
-	swapped := prometheus.NewCounterFunc(prometheus.CounterOpts{
-		Name: "forkd_sandbox_reclaimed_bytes_total", Help: "VMM memory the page-outs moved to swap.",
-	}, func() float64 { return float64(s.e.FreezeStats().SwappedBytes) })
+	// The idle watch's counters (serve --idle-freeze, --idle-reclaim);
+	// gauges are counts now, the rest counters.
+	idle := []struct {
+		name, help string
+		gauge      bool
+		v          func(sandbox.FreezeStats) float64
+	}{
+		{"forkd_sandboxes_frozen", "Sandboxes frozen while idle (serve --idle-freeze).", true, func(st sandbox.FreezeStats) float64 { return float64(st.Frozen) }},
+		{"forkd_sandbox_freezes_total", "Idle sandboxes frozen.", false, func(st sandbox.FreezeStats) float64 { return float64(st.Freezes) }},
+		{"forkd_sandbox_wakes_total", "Frozen sandboxes woken by a request or inbound traffic.", false, func(st sandbox.FreezeStats) float64 { return float64(st.Wakes) }},
+		{"forkd_sandbox_wake_seconds_total", "Time wakes took, from the request to the guest's clock set (mean: divide by forkd_sandbox_wakes_total).", false, func(st sandbox.FreezeStats) float64 { return st.WakeSeconds }},
+		{"forkd_sandboxes_reclaimed", "Frozen sandboxes whose VMM memory was paged out (serve --idle-reclaim).", true, func(st sandbox.FreezeStats) float64 { return float64(st.Reclaimed) }},
+		{"forkd_sandbox_reclaims_total", "Page-outs of frozen sandboxes' VMMs that moved memory to swap.", false, func(st sandbox.FreezeStats) float64 { return float64(st.Reclaims) }},
+		{"forkd_sandbox_reclaimed_bytes_total", "VMM memory the page-outs moved to swap.", false, func(st sandbox.FreezeStats) float64 { return float64(st.SwappedBytes) }},
+	}
+	for _, c := range idle {
+		f := func() float64 { return c.v(s.e.FreezeStats()) }
+		if c.gauge {
+			reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: c.name, Help: c.help}, f))
+		} else {
+			reg.MustRegister(prometheus.NewCounterFunc(prometheus.CounterOpts{Name: c.name, Help: c.help}, f))
+		}
+	}
 	reg.MustRegister(m.requests, m.latency, m.inFlight, m.created, m.failed, m.rejected, m.expired, m.events, m.readyTime, live, snaps, unresponsive, bodies,
-		frozen, freezes, wakes, wakeTime, reclaimed, reclaims, swapped,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	m.handler = promhttp.HandlerFor(reg, promhttp.HandlerOpts{})
 	return m

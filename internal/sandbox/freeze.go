@@ -276,11 +276,6 @@ func (e *Engine) RunIdle(ctx context.Context) {
 		return
 	}
 	defer e.thawAll()
-	if e.cfg.IdleReclaim > 0 {
-		if total, _, err := proc.Swap(); err == nil && total == 0 {
-			e.log.Warn("idle sandboxes' memory is not reclaimed: this host has no swap (scripts/zram-swap.sh gives it compressed swap in RAM)")
-		}
-	}
 	var reclaims sync.WaitGroup
 	defer reclaims.Wait()
 	tick := time.NewTicker(IdlePoll)
@@ -505,7 +500,7 @@ func (e *Engine) reclaim(ctx context.Context, jobs []reclaimJob) {
 		}
 		e.idle.mu.Unlock()
 		if warn {
-			e.log.Warn("idle reclaim paused: the host's swap is full or absent", "swap_free_mib", free>>20, "err", err)
+			e.log.Warn("idle sandboxes' memory is not reclaimed while the host's swap is full or absent (scripts/zram-swap.sh gives it compressed swap in RAM)", "swap_free_mib", free>>20, "err", err)
 		}
 		if free < reclaimSwapFree {
 			return

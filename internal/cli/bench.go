@@ -242,15 +242,17 @@ func benchScale(cmd *cobra.Command, g *globals, o bench.ScaleOptions, asJSON boo
 		fmt.Fprintf(g.stdout, "exec over all, each woken from paged out: p50 %.0f ms, p90 %.0f ms, p99 %.0f ms (mean wake %.0f ms); awake: p50 %.0f ms\n",
 			r.ExecReclaimed.P50, r.ExecReclaimed.P90, r.ExecReclaimed.P99, r.MeanWakeReclaimedMS, r.ExecAwakeReclaimed.P50)
 	}
-	if m := r.AfterWakeMemory; m != nil {
+	afterExec := func(m *bench.ChildMemory) {
 		fmt.Fprintf(g.stdout, "after that exec: resident p50 %.1f MiB p90 %.1f MiB, swap p50 %.1f MiB; host per child %.1f MiB (%.1f compacted)\n",
 			m.PrivateMiB.P50, m.PrivateMiB.P90, m.SwapMiB.P50, m.HostMiB, m.HostCompactedMiB)
+	}
+	if m := r.AfterWakeMemory; m != nil {
+		afterExec(m)
 	}
 	if m := r.AfterReclaimMemory; m != nil {
 		fmt.Fprintf(g.stdout, "exec over all, each woken from frozen again (not paged out again): p50 %.0f ms, p90 %.0f ms, p99 %.0f ms (mean wake %.0f ms); awake: p50 %.0f ms\n",
 			r.ExecAfterReclaim.P50, r.ExecAfterReclaim.P90, r.ExecAfterReclaim.P99, r.MeanWakeAfterReclaimMS, r.ExecAwakeAfterReclaim.P50)
-		fmt.Fprintf(g.stdout, "after that exec: resident p50 %.1f MiB p90 %.1f MiB, swap p50 %.1f MiB; host per child %.1f MiB (%.1f compacted)\n",
-			m.PrivateMiB.P50, m.PrivateMiB.P90, m.SwapMiB.P50, m.HostMiB, m.HostCompactedMiB)
+		afterExec(m)
 	}
 	fmt.Fprintf(g.stdout, "kill all: %.1f s\n", r.KillAllMS/1000)
 	return nil

@@ -49,28 +49,15 @@ func requireSDK(t *testing.T) string {
 	if major < 20 || major == 20 && minor < 18 || major == 21 {
 		testutil.Unavailable(t, "the E2B SDKs need node >= 20.18.1 (<21) or >= 22, not "+string(out))
 	}
-	npm(t, e2bDir, "ci", "--no-audit", "--no-fund", "--prefer-offline")
+	npmCI(context.Background(), t, e2bDir, "--prefer-offline")
 	return node
-}
-
-// npm runs npm with args in dir, failing t if it fails.
-func npm(t *testing.T, dir string, args ...string) {
-	t.Helper()
-	cmd := exec.Command("npm", args...)
-	cmd.Dir = dir
-	cmd.Env = append(os.Environ(), "npm_config_update_notifier=false")
-	start := time.Now()
-	if out, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("npm %v in %s: %v\n%s", args, dir, err, out)
-	}
-	t.Logf("npm %v: %.1fs", args, time.Since(start).Seconds())
 }
 
 // nativeSDK builds forkd's own TypeScript SDK (sdk/typescript) for the
 // baseline of the measures and returns its entry point.
 func nativeSDK(t *testing.T) string {
 	t.Helper()
-	dir, _ := buildTypeScriptSDK(context.Background(), t)
+	dir := buildTypeScriptSDK(context.Background(), t)
 	return filepath.Join(dir, "dist", "index.js")
 }
 

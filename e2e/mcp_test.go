@@ -51,7 +51,8 @@ func TestMCP(t *testing.T) {
 	// other processes: it runs beside the other SDK, MCP and example
 	// tests (go test -parallel, GOMAXPROCS at a time).
 	t.Parallel()
-	dir := npmCI(t, "mcp-client")
+	dir := copyProject(t, "mcp-client")
+	npmCI(context.Background(), t, dir, "--loglevel=error")
 
 	// stdio, no daemon: forkd mcp serves the data dir itself, and builds
 	// the snapshots.
@@ -101,7 +102,8 @@ func TestMCP(t *testing.T) {
 	}
 
 	// The example runs with one command against the daemon.
-	ex := npmCI(t, filepath.Join("..", "examples", "mcp-session"))
+	ex := copyProject(t, filepath.Join("..", "examples", "mcp-session"))
+	npmCI(context.Background(), t, ex, "--loglevel=error")
 	cmd := exec.Command("sh", "run")
 	cmd.Dir = ex
 	cmd.Env = append(slices.Clone(c.env), "FORKD_BIN="+forkdBin, "MCP_SNAPSHOT=mini")
@@ -112,10 +114,10 @@ func TestMCP(t *testing.T) {
 	}
 }
 
-// npmCI copies the npm project in e2e/<rel> (package.json, its lock,
-// scripts) to a temporary directory and installs its locked dependencies
-// there with npm ci.
-func npmCI(t *testing.T, rel string) string {
+// copyProject copies the files of the npm project in e2e/<rel>
+// (package.json, its lock, scripts, not node_modules) to a temporary
+// directory, for an npm ci there, and returns it.
+func copyProject(t *testing.T, rel string) string {
 	t.Helper()
 	src, err := filepath.Abs(rel)
 	if err != nil {
@@ -136,13 +138,6 @@ func npmCI(t *testing.T, rel string) string {
 		}
 		testutil.WriteFile(t, filepath.Join(dir, e.Name()), b, 0o644)
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
-	defer cancel()
-	cmd := exec.CommandContext(ctx, "npm", "ci", "--no-audit", "--no-fund", "--loglevel=error")
-	cmd.Dir = dir
-	if out, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("npm ci in %s: %v\n%s", rel, err, out)
-	}
 	return dir
 }
 
@@ -153,16 +148,12 @@ func runMCPClient(t *testing.T, c *cli, dir, script string, extra ...string) mcp
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Minute)
 	defer cancel()
-	cmd := exec.CommandContext(ctx, "node", script)
-	cmd.Dir = dir
-	cmd.Env = append(slices.Clone(c.env), append([]string{"FORKD_BIN=" + forkdBin, "MCP_MIN_TAG=mini", "MCP_PY_TAG=py"}, extra...)...)
-	var out, errb bytes.Buffer
-	cmd.Stdout, cmd.Stderr = &out, &errb
-	err := cmd.Run()
-	lines := strings.Split(strings.TrimSpace(out.String()), "\n")
+	env := slices.Concat(c.env, []string{"FORKD_BIN=" + forkdBin, "MCP_MIN_TAG=mini", "MCP_PY_TAG=py"}, extra)
+	out, errb := runNode(ctx, t, dir, env, "node", script)
+	lines := strings.Split(strings.TrimSpace(out), "\n")
 	var rep mcpReport
-	if jerr := json.Unmarshal([]byte(lines[len(lines)-1]), &rep); jerr != nil || !rep.OK || err != nil {
-		t.Fatalf("%s %v: %v\nreport: %s\nerror: %s\nstderr:\n%s", script, extra, err, lines[len(lines)-1], rep.Error, errb.String())
+	if err := json.Unmarshal([]byte(lines[len(lines)-1]), &rep); err != nil || !rep.OK {
+		t.Fatalf("%s %v: %v\nreport: %s\nerror: %s\nstderr:\n%s", script, extra, err, lines[len(lines)-1], rep.Error, errb)
 	}
 	if rep.Tools != 16 || len(rep.Steps) < 10 {
 		t.Errorf("%s %v: %d tools, steps %v", script, extra, rep.Tools, rep.Steps)

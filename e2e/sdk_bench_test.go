@@ -31,7 +31,7 @@ func TestSDKBench(t *testing.T) {
 	testutil.RequireRoot(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Minute)
 	defer cancel()
-	tsDir, _ := buildTypeScriptSDK(ctx, t)
+	tsDir := buildTypeScriptSDK(ctx, t)
 	c := newCLI(t)
 	d := startServe(t, c, "--pool", "1")
 	uc, err := client.New("unix://"+d.sock, "")
@@ -103,11 +103,10 @@ func TestSDKBench(t *testing.T) {
 // returns every call's time by measure.
 func runBenchTS(ctx context.Context, t *testing.T, dir, sock, sb, py string, n int) map[string][]float64 {
 	t.Helper()
-	cmd := exec.CommandContext(ctx, "node", "bench/roundtrip.mjs")
-	cmd.Dir = dir
-	cmd.Env = append(os.Environ(), "FORKD_URL=unix://"+sock, "BENCH_SANDBOX="+sb, "BENCH_PYTHON_SANDBOX="+py,
+	env := append(os.Environ(), "FORKD_URL=unix://"+sock, "BENCH_SANDBOX="+sb, "BENCH_PYTHON_SANDBOX="+py,
 		"BENCH_N="+strconv.Itoa(n), "BENCH_WARMUP=1")
-	return benchSamples(t, cmd)
+	out, _ := runNode(ctx, t, dir, env, "node", "bench/roundtrip.mjs")
+	return parseSamples(t, "node bench/roundtrip.mjs", []byte(out))
 }
 
 // loadAvg is the host's load average over 1, 5 and 15 minutes, as
@@ -119,7 +118,7 @@ func loadAvg() string {
 }
 
 // benchSamples runs cmd, a bench that prints JSON with every call's time
-// by measure ({"results": {name: {"samples_ms": [...]}}}), and returns them.
+// by measure, and returns them.
 func benchSamples(t *testing.T, cmd *exec.Cmd) map[string][]float64 {
 	t.Helper()
 	var errb bytes.Buffer
@@ -128,18 +127,25 @@ func benchSamples(t *testing.T, cmd *exec.Cmd) map[string][]float64 {
 	if err != nil {
 		t.Fatalf("%s: %v\n%s", cmd, err, errb.String())
 	}
+	return parseSamples(t, cmd.String(), out)
+}
+
+// parseSamples reads out, what a bench printed: JSON with every call's
+// time by measure ({"results": {name: {"samples_ms": [...]}}}).
+func parseSamples(t *testing.T, bench string, out []byte) map[string][]float64 {
+	t.Helper()
 	var doc struct {
 		Results map[string]struct {
 			Samples []float64 `json:"samples_ms"`
 		} `json:"results"`
 	}
 	if err := json.Unmarshal(out, &doc); err != nil {
-		t.Fatalf("%s: output %q: %v", cmd, out, err)
+		t.Fatalf("%s: output %q: %v", bench, out, err)
 	}
 	res := map[string][]float64{}
 	for name, r := range doc.Results {
 		if len(r.Samples) == 0 {
-			t.Fatalf("%s: no samples for %s", cmd, name)
+			t.Fatalf("%s: no samples for %s", bench, name)
 		}
 		res[name] = r.Samples
 	}

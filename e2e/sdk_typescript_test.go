@@ -1,10 +1,8 @@
 package e2e
 
 import (
-	"bytes"
 	"context"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"regexp"
 	"sync"
@@ -29,13 +27,20 @@ func TestTypeScriptSDK(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
 	defer cancel()
-	dir, run := buildTypeScriptSDK(ctx, t)
+	dir := buildTypeScriptSDK(ctx, t)
 	files, err := filepath.Glob(filepath.Join(dir, "test", "*.test.mjs"))
 	testutil.Check(t, err)
 	if len(files) == 0 {
 		t.Fatalf("no tests in %s/test", dir)
 	}
-	out := run("node", append([]string{"--test", "--test-reporter=spec"}, files...)...)
+	env := append(os.Environ(),
+		"FORKD_BIN="+forkdBin,
+		"FORKD_AGENT="+testvm.AgentBinary(t),
+		"FORKD_CACHE="+testvm.CacheDir(t),
+		// No skipped suite: a missing binary fails.
+		"FORKD_SDK_REQUIRE=1",
+	)
+	out, _ := runNode(ctx, t, dir, env, "node", append([]string{"--test", "--test-reporter=spec"}, files...)...)
 	// The spec reporter ends with "ℹ tests 46", "ℹ pass 45", ...
 	counts := map[string]string{}
 	for _, m := range regexp.MustCompile(`(?m)^ℹ (tests|pass|skipped) (\d+)$`).FindAllStringSubmatch(out, -1) {
@@ -51,47 +56,23 @@ func TestTypeScriptSDK(t *testing.T) {
 }
 
 // buildTypeScriptSDK installs the SDK's pinned dependencies (npm ci) and
-// compiles it. It returns the SDK's directory and a runner of commands
-// there, with the environment its tests and bench read (this package's
-// binaries and image cache), that fails the test on a non-zero exit and
-// returns stdout and stderr together.
-func buildTypeScriptSDK(ctx context.Context, t *testing.T) (string, func(name string, args ...string) string) {
+// compiles it, once per test process, and returns its directory.
+func buildTypeScriptSDK(ctx context.Context, t *testing.T) string {
 	t.Helper()
 	testutil.RequireCommand(t, "node", "npm")
 	dir, err := filepath.Abs("../sdk/typescript")
 	testutil.Check(t, err)
-	env := append(os.Environ(),
-		"FORKD_BIN="+forkdBin,
-		"FORKD_AGENT="+testvm.AgentBinary(t),
-		"FORKD_CACHE="+testvm.CacheDir(t),
-		// No skipped suite: a missing binary fails.
-		"FORKD_SDK_REQUIRE=1",
-		"npm_config_update_notifier=false",
-	)
-	run := func(name string, args ...string) string {
-		t.Helper()
-		cmd := exec.CommandContext(ctx, name, args...)
-		cmd.Dir, cmd.Env = dir, env
-		var out bytes.Buffer
-		cmd.Stdout, cmd.Stderr = &out, &out
-		start := time.Now()
-		if err := cmd.Run(); err != nil {
-			t.Fatalf("%s %v in %s: %v\n%s", name, args, dir, err, out.String())
-		}
-		t.Logf("%s %v: %.1fs", name, args, time.Since(start).Seconds())
-		return out.String()
-	}
 	// Once per test process: the SDK, MCP and E2B tests run in parallel,
 	// and an npm ci in the directory another test builds in removes the
 	// files under it.
 	tsSDKBuild.Lock()
 	defer tsSDKBuild.Unlock()
 	if !tsSDKBuild.done {
-		run("npm", "ci", "--no-audit", "--no-fund", "--prefer-offline")
-		run("npm", "run", "build")
+		npmCI(ctx, t, dir, "--prefer-offline")
+		runNode(ctx, t, dir, os.Environ(), "npm", "run", "build")
 		tsSDKBuild.done = true
 	}
-	return dir, run
+	return dir
 }
 
 // tsSDKBuild says whether buildTypeScriptSDK has built the SDK.

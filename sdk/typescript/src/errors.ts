@@ -21,75 +21,51 @@ export class ForkdError extends Error {
   }
 }
 
-/** 404: the sandbox, snapshot, path, process, … does not exist. */
-export class NotFoundError extends ForkdError {
-  constructor(message: string, status = 404, options?: { cause?: unknown }) {
-    super(message, 'not_found', status, options)
+/** The constructor of every class below: a message, the status, a cause. */
+type ErrorClass = new (message: string, status?: number, options?: { cause?: unknown }) => ForkdError
+
+/**
+ * classOf returns the base of the class of an API error code: a ForkdError
+ * with that code and, unless the constructor is given one, that status.
+ * Each class below extends one, named and documented in its own right.
+ */
+function classOf(code: ErrorCode, defaultStatus: number): ErrorClass {
+  return class extends ForkdError {
+    constructor(message: string, status = defaultStatus, options?: { cause?: unknown }) {
+      super(message, code, status, options)
+    }
   }
 }
+
+/** 404: the sandbox, snapshot, path, process, … does not exist. */
+export class NotFoundError extends classOf('not_found', 404) {}
 
 /** 409: the thing to create exists already. */
-export class AlreadyExistsError extends ForkdError {
-  constructor(message: string, status = 409, options?: { cause?: unknown }) {
-    super(message, 'already_exists', status, options)
-  }
-}
+export class AlreadyExistsError extends classOf('already_exists', 409) {}
 
 /** 400 (413 for a body over the limit, 415 for a body that is not JSON). */
-export class InvalidArgumentError extends ForkdError {
-  constructor(message: string, status = 400, options?: { cause?: unknown }) {
-    super(message, 'invalid_argument', status, options)
-  }
-}
+export class InvalidArgumentError extends classOf('invalid_argument', 400) {}
 
 /** 409: the state forbids it (a snapshot in use, a sandbox still starting). */
-export class FailedPreconditionError extends ForkdError {
-  constructor(message: string, status = 409, options?: { cause?: unknown }) {
-    super(message, 'failed_precondition', status, options)
-  }
-}
+export class FailedPreconditionError extends classOf('failed_precondition', 409) {}
 
 /** 429: a limit is reached (sandboxes, pending restores, ports, body bytes). */
-export class ResourceExhaustedError extends ForkdError {
-  constructor(message: string, status = 429, options?: { cause?: unknown }) {
-    super(message, 'resource_exhausted', status, options)
-  }
-}
+export class ResourceExhaustedError extends classOf('resource_exhausted', 429) {}
 
 /** 503, or no answer at all (status 0): the daemon or a guest agent is unreachable. */
-export class UnavailableError extends ForkdError {
-  constructor(message: string, status = 503, options?: { cause?: unknown }) {
-    super(message, 'unavailable', status, options)
-  }
-}
+export class UnavailableError extends classOf('unavailable', 503) {}
 
 /** 501: not available here (eval in an image without Python, …). */
-export class NotImplementedError extends ForkdError {
-  constructor(message: string, status = 501, options?: { cause?: unknown }) {
-    super(message, 'not_implemented', status, options)
-  }
-}
+export class NotImplementedError extends classOf('not_implemented', 501) {}
 
 /** 401: no token, or a wrong one. */
-export class UnauthenticatedError extends ForkdError {
-  constructor(message: string, status = 401, options?: { cause?: unknown }) {
-    super(message, 'unauthenticated', status, options)
-  }
-}
+export class UnauthenticatedError extends classOf('unauthenticated', 401) {}
 
 /** 504 (408 for a request body that stalled), or a command or code that timed out (status 0). */
-export class DeadlineExceededError extends ForkdError {
-  constructor(message: string, status = 504, options?: { cause?: unknown }) {
-    super(message, 'deadline_exceeded', status, options)
-  }
-}
+export class DeadlineExceededError extends classOf('deadline_exceeded', 504) {}
 
 /** 500: a bug or an unexpected failure in the daemon. */
-export class InternalError extends ForkdError {
-  constructor(message: string, status = 500, options?: { cause?: unknown }) {
-    super(message, 'internal', status, options)
-  }
-}
+export class InternalError extends classOf('internal', 500) {}
 
 /** E2B's names for the same classes. */
 export const SandboxError = ForkdError
@@ -100,8 +76,6 @@ export const RateLimitError = ResourceExhaustedError
 export type RateLimitError = ResourceExhaustedError
 export const AuthenticationError = UnauthenticatedError
 export type AuthenticationError = UnauthenticatedError
-
-type ErrorClass = new (message: string, status?: number, options?: { cause?: unknown }) => ForkdError
 
 const byCode: Record<ErrorCode, ErrorClass> = {
   not_found: NotFoundError,

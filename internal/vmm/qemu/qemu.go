@@ -48,7 +48,7 @@ type Options struct {
 	Accel string
 	// Machine is "microvm" (default) or "q35".
 	Machine string
-	// TBSizeMiB is the TCG translation cache per VM (default 16).
+	// TBSizeMiB is the TCG translation cache per VM (default 32).
 	TBSizeMiB int
 	// Sandbox enables QEMU's seccomp filter (-sandbox on) with every
 	// optional restriction that still lets a VM run.

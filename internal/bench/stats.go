@@ -8,12 +8,12 @@ import (
 	"io"
 	"math"
 	"os"
-	"path/filepath"
 	"runtime"
 	"sort"
 	"strconv"
 	"strings"
 
+	"github.com/forkd/forkd/internal/proc"
 	"github.com/forkd/forkd/internal/vmm"
 )
 
@@ -129,29 +129,22 @@ func smapsPrivate(pid int, file string) (total, inFile int64, err error) {
 
 // zramUsedPerOrig returns the RAM the host's zram devices hold per byte
 // stored in them (mm_stat mem_used_total / orig_data_size), 0 when they
-// store nothing; with compact, after asking each to compact its pool
-// first.
+// store nothing; with compact, after asking each that is swap to compact
+// its pool first.
 func zramUsedPerOrig(compact bool) float64 {
-	devs, _ := filepath.Glob("/sys/block/zram*")
-	var orig, used float64
-	for _, d := range devs {
-		if compact {
-			// Best effort: an old kernel has no compact; used stays.
-			_ = os.WriteFile(filepath.Join(d, "compact"), []byte("1"), 0)
-		}
-		b, err := os.ReadFile(filepath.Join(d, "mm_stat"))
-		f := strings.Fields(string(b))
-		if err != nil || len(f) < 3 {
-			continue
-		}
-		o, _ := strconv.ParseFloat(f[0], 64)
-		u, _ := strconv.ParseFloat(f[2], 64)
-		orig, used = orig+o, used+u
+	if compact {
+		// Best effort: an old kernel has no compact; used stays.
+		_, _, _ = proc.CompactZramSwap()
 	}
-	if orig == 0 {
+	devs, _ := proc.ZramDevices()
+	var stored, used int64
+	for _, z := range devs {
+		stored, used = stored+z.Stored, used+z.Used
+	}
+	if stored == 0 {
 		return 0
 	}
-	return used / orig
+	return float64(used) / float64(stored)
 }
 
 // cpuTicks returns a process's utime+stime in clock ticks.

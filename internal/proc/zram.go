@@ -1,0 +1,101 @@
+package proc
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+)
+
+// SysBlock is where block devices show in sysfs; tests point it elsewhere.
+var SysBlock = "/sys/block"
+
+// Zram is the use of one zram device: what it stores, and the RAM that
+// takes, compressed.
+type Zram struct {
+	Device string // zram0
+	// Stored is what it holds, uncompressed (mm_stat's orig_data_size);
+	// Used the RAM its pool takes for that (mem_used_total), which
+	// grows apart from Stored as stored pages are freed, until the pool
+	// is compacted.
+	Stored, Used int64
+}
+
+// ZramDevices returns the use of each of the host's zram devices that
+// stores something. A host without zram has none.
+func ZramDevices() ([]Zram, error) {
+	devs, err := filepath.Glob(filepath.Join(SysBlock, "zram*"))
+	if err != nil {
+		return nil, err
+	}
+	var out []Zram
+	var errs []error
+	for _, d := range devs {
+		z, err := zramUse(d)
+		switch {
+		case errors.Is(err, os.ErrNotExist):
+			// Being removed, or not set up: it stores nothing.
+		case err != nil:
+			errs = append(errs, err)
+		case z.Stored > 0:
+			out = append(out, z)
+		}
+	}
+	return out, errors.Join(errs...)
+}
+
+// zramUse reads the mm_stat of the zram device at dir.
+func zramUse(dir string) (Zram, error) {
+	z := Zram{Device: filepath.Base(dir)}
+	b, err := os.ReadFile(filepath.Join(dir, "mm_stat"))
+	if err != nil {
+		return z, err
+	}
+	f := bytes.Fields(b)
+	if len(f) < 3 {
+		return z, fmt.Errorf("%s/mm_stat: %d fields, want at least 3", dir, len(f))
+	}
+	if z.Stored, err = strconv.ParseInt(string(f[0]), 10, 64); err == nil {
+		z.Used, err = strconv.ParseInt(string(f[2]), 10, 64)
+	}
+	if err != nil {
+		return z, fmt.Errorf("%s/mm_stat: %w", dir, err)
+	}
+	return z, nil
+}
+
+// CompactZramSwap asks each zram device the host swaps to to compact its
+// pool: pages swapped back in leave holes there that still take RAM. It
+// returns how many it compacted and the RAM that freed.
+func CompactZramSwap() (devices int, freed int64, err error) {
+	b, err := os.ReadFile(filepath.Join(Root, "swaps"))
+	if err != nil {
+		return 0, 0, err
+	}
+	var errs []error
+	for line := range bytes.Lines(b) {
+		f := bytes.Fields(line)
+		if len(f) == 0 || !strings.HasPrefix(string(f[0]), "/dev/zram") {
+			continue
+		}
+		dir := filepath.Join(SysBlock, filepath.Base(string(f[0])))
+		before, err := zramUse(dir)
+		if err == nil {
+			err = os.WriteFile(filepath.Join(dir, "compact"), []byte("1"), 0)
+		}
+		var after Zram
+		if err == nil {
+			after, err = zramUse(dir)
+		}
+		if err != nil {
+			errs = append(errs, fmt.Errorf("compact %s: %w", before.Device, err))
+			continue
+		}
+		devices++
+		freed += max(0, before.Used-after.Used)
+	}
+	return devices, freed, errors.Join(errs...)
+}

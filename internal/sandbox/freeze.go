@@ -27,6 +27,10 @@ import (
 // idle watch pages its VMM's private memory out (proc.PageOut), to the
 // host's swap: compressed in RAM with zram (scripts/zram-swap.sh). The
 // next wake faults back what the guest touches; the rest stays out.
+// Pages faulted back (and those of a paged-out sandbox that goes) leave
+// holes in zram's pool, which takes RAM until compacted: the idle watch
+// asks zram to compact its pools a while after such a wake or kill
+// (zramCompactDelay), at most once every zramCompactEvery.
 
 // DefaultIdleFreeze is forkd serve's --idle-freeze default.
 const DefaultIdleFreeze = 10 * time.Second
@@ -60,6 +64,15 @@ const DefaultIdleReclaim = time.Minute
 // nothing out: a VMM holds some tens of MiB.
 const reclaimSwapFree = 256 << 20
 
+// zramCompactDelay is how long after a paged-out sandbox woke (or went)
+// the idle watch compacts zram's pools: its guest has faulted back what
+// its request touched by then. zramCompactEvery bounds how often: a
+// compaction walks the whole pool.
+const (
+	zramCompactDelay = 5 * time.Second
+	zramCompactEvery = 30 * time.Second
+)
+
 // ValidateIdleFreezeSecs checks a sandbox's own idle-freeze time.
 func ValidateIdleFreezeSecs(secs int) error {
 	if secs < -1 || secs > MaxIdleFreezeSecs {
@@ -80,6 +93,10 @@ type FreezeStats struct {
 	Reclaims    int64   `json:"reclaims"`  // page-outs that moved memory to swap
 	// SwappedBytes is what the page-outs moved to swap, summed.
 	SwappedBytes int64 `json:"swapped_bytes"`
+	// ZramCompactions counts the compactions of zram's pools the idle
+	// watch asked for, ZramCompactedBytes the RAM they freed.
+	ZramCompactions    int64 `json:"zram_compactions"`
+	ZramCompactedBytes int64 `json:"zram_compacted_bytes"`
 }
 
 // idleState is what the idle watch knows of one sandbox.
@@ -97,10 +114,11 @@ type idleState struct {
 	frozen bool
 	// frozenAt is when it was frozen, gen counts its freezes; tried is
 	// set once a page-out of its VMM started during this freeze, and
-	// reclaimed once one moved memory to swap.
-	frozenAt         time.Time
-	gen              uint64
-	tried, reclaimed bool
+	// reclaimed once one moved memory to swap. swapped is set once any
+	// page-out of it moved memory to swap.
+	frozenAt                  time.Time
+	gen                       uint64
+	tried, reclaimed, swapped bool
 	// resync is set by a thaw: the next client of the sandbox tells the
 	// guest the time first.
 	resync bool
@@ -121,10 +139,25 @@ type idler struct {
 	// reclaimAfter is Config.IdleReclaim, or what SetIdleReclaim set.
 	// Guarded by mu.
 	reclaimAfter time.Duration
-	// pageOut and swapFree are proc.PageOut and the host's free swap;
-	// unit tests replace them.
+	// compactDue is when a paged-out sandbox woke or went with no zram
+	// compaction since (zero: none due); compacting is set while one
+	// runs, compacted is when the last one started, and noCompact once
+	// one failed (zram too old, or not there). Guarded by mu.
+	compactDue, compacted time.Time
+	compacting, noCompact bool
+	// pageOut, swapFree and compact are proc.PageOut, the host's free
+	// swap and proc.CompactZramSwap; unit tests replace them.
 	pageOut  func(proc.Identity, func() bool) (int64, error)
 	swapFree func() (uint64, error)
+	compact  func() (int, int64, error)
+}
+
+// compactLater notes that pages left zram's pool, now: a compaction is
+// due. Called with mu held.
+func (d *idler) compactLater(now time.Time) {
+	if d.compactDue.IsZero() {
+		d.compactDue = now
+	}
 }
 
 // hostSwapFree returns the host's free swap.
@@ -228,6 +261,9 @@ func (e *Engine) thaw(id string, st *idleState) error {
 	e.idle.mu.Lock()
 	st.frozen, st.resync = false, true
 	e.idle.stats.Wakes++
+	if st.reclaimed {
+		e.idle.compactLater(time.Now())
+	}
 	e.idle.mu.Unlock()
 	return nil
 }
@@ -259,6 +295,9 @@ func (e *Engine) forgetIdle(id string) error {
 	}
 	defer e.idle.locks.lock(id)()
 	e.idle.mu.Lock()
+	if st := e.idle.m[id]; st != nil && st.swapped {
+		e.idle.compactLater(time.Now())
+	}
 	delete(e.idle.m, id)
 	e.idle.mu.Unlock()
 	return e.cfg.Cgroups.Thaw(id)
@@ -366,6 +405,11 @@ func (e *Engine) idleTick(ctx context.Context, reclaims *sync.WaitGroup) {
 	if len(reclaim) > 0 {
 		e.idle.reclaiming = true
 		reclaims.Go(func() { e.reclaim(ctx, reclaim) })
+	}
+	if d := &e.idle; !d.compactDue.IsZero() && !d.compacting && !d.noCompact &&
+		now.Sub(d.compactDue) >= zramCompactDelay && now.Sub(d.compacted) >= zramCompactEvery {
+		d.compactDue, d.compacting, d.compacted = time.Time{}, true, now
+		reclaims.Go(e.compactZram)
 	}
 	e.idle.mu.Unlock()
 	for _, id := range wake {
@@ -533,12 +577,33 @@ func (e *Engine) reclaim(ctx context.Context, jobs []reclaimJob) {
 			if e.stillFrozen(j) {
 				st.reclaimed = true
 			}
+			st.swapped = true
 			e.idle.stats.Reclaims++
 			e.idle.stats.SwappedBytes += moved
 		}
 		e.idle.mu.Unlock()
 		e.log.Debug("sandbox paged out", "sandbox", j.id, "moved_mib", moved>>20)
 	}
+}
+
+// compactZram compacts the pools of the zram devices the host swaps to
+// (none: nothing to count), and counts the RAM that freed. The first
+// failure turns it off, with a warning.
+func (e *Engine) compactZram() {
+	n, freed, err := e.idle.compact()
+	e.idle.mu.Lock()
+	e.idle.compacting = false
+	e.idle.noCompact = err != nil
+	if err == nil && n > 0 {
+		e.idle.stats.ZramCompactions++
+		e.idle.stats.ZramCompactedBytes += freed
+	}
+	e.idle.mu.Unlock()
+	if err != nil {
+		e.log.Warn("zram's pools are not compacted: the RAM pages swapped back in took stays taken until the kernel compacts them", "err", err)
+		return
+	}
+	e.log.Debug("compacted zram", "freed_mib", freed>>20)
 }
 
 // thawAll thaws every sandbox the idle watch froze.

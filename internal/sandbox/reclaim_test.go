@@ -2,6 +2,7 @@ package sandbox
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"sync"
 	"testing"
@@ -109,4 +110,63 @@ func TestIdleReclaim(t *testing.T) {
 	want(tick(), 1)
 	e.idle.m["a"].gen, e.idle.m["a"].tried = 5, false
 	want(tick())
+}
+
+// The idle watch compacts zram's pools zramCompactDelay after a paged-out
+// sandbox woke or went, at most once every zramCompactEvery, counts what
+// that freed (not when no zram is swap), and stops after a failure. The
+// compaction is a fake here (TestIdleFreezeVM asks the host's zram).
+func TestIdleZramCompact(t *testing.T) {
+	e := fakeEngine(t)
+	var calls int
+	devices, freed, fail := 1, int64(3<<20), error(nil)
+	e.idle.compact = func() (int, int64, error) {
+		calls++
+		return devices, freed, fail
+	}
+	tick := func(want int) {
+		t.Helper()
+		calls = 0
+		var wg sync.WaitGroup
+		e.idleTick(context.Background(), &wg)
+		wg.Wait()
+		if calls != want {
+			t.Fatalf("%d compactions, want %d", calls, want)
+		}
+	}
+	tick(0) // none due
+	now := time.Now()
+	e.idle.compactLater(now)
+	tick(0) // due, but pages may still be coming back
+	e.idle.compactLater(now.Add(time.Second))
+	if !e.idle.compactDue.Equal(now) {
+		t.Fatalf("due at %v after a second wake, want the first's %v", e.idle.compactDue, now)
+	}
+	e.idle.compactDue = now.Add(-zramCompactDelay)
+	tick(1)
+	if st := e.FreezeStats(); st.ZramCompactions != 1 || st.ZramCompactedBytes != 3<<20 {
+		t.Fatalf("stats %+v after one compaction", st)
+	}
+	tick(0) // done: none due
+
+	// Due again soon after: it waits for zramCompactEvery.
+	e.idle.compactLater(now.Add(-zramCompactDelay))
+	tick(0)
+	e.idle.compacted = now.Add(-zramCompactEvery)
+	devices = 0 // no zram swap now: not counted
+	tick(1)
+	if st := e.FreezeStats(); st.ZramCompactions != 1 {
+		t.Fatalf("stats %+v after a compaction of no device", st)
+	}
+
+	// A failure turns it off.
+	devices, fail = 1, errors.New("write /sys/block/zram0/compact: permission denied")
+	e.idle.compactLater(now.Add(-zramCompactDelay))
+	e.idle.compacted = time.Time{}
+	tick(1)
+	e.idle.compactLater(now.Add(-zramCompactDelay))
+	tick(0)
+	if st := e.FreezeStats(); st.ZramCompactions != 1 {
+		t.Fatalf("stats %+v after a failed compaction", st)
+	}
 }

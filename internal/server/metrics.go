@@ -97,6 +97,8 @@ func newMetrics(s *Server, reg *prometheus.Registry) *metrics {
 		{"forkd_sandboxes_reclaimed", "Frozen sandboxes whose VMM memory was paged out (serve --idle-reclaim).", true, func(st sandbox.FreezeStats) float64 { return float64(st.Reclaimed) }},
 		{"forkd_sandbox_reclaims_total", "Page-outs of frozen sandboxes' VMMs that moved memory to swap.", false, func(st sandbox.FreezeStats) float64 { return float64(st.Reclaims) }},
 		{"forkd_sandbox_reclaimed_bytes_total", "VMM memory the page-outs moved to swap.", false, func(st sandbox.FreezeStats) float64 { return float64(st.SwappedBytes) }},
+		{"forkd_zram_compactions_total", "Compactions of the pools of zram swap devices, after paged-out sandboxes woke or went.", false, func(st sandbox.FreezeStats) float64 { return float64(st.ZramCompactions) }},
+		{"forkd_zram_compacted_bytes_total", "RAM those compactions freed.", false, func(st sandbox.FreezeStats) float64 { return float64(st.ZramCompactedBytes) }},
 	}
 	for _, c := range idle {
 		f := func() float64 { return c.v(s.e.FreezeStats()) }

@@ -4,7 +4,8 @@
 # sandboxes (docs/controller.md). Best effort and idempotent: it does
 # nothing where some swap is already on or without root, and where the
 # host will not let it (no zram, a container) it says so, undoes what it
-# did and still exits 0. The device does not outlive a reboot.
+# did and still exits 0. The device does not outlive a reboot:
+# packaging/forkd.service runs this before each start of the daemon.
 #
 # The device holds up to half of RAM, uncompressed; it uses RAM only for
 # what is in it, compressed (lz4 where the kernel has it): a paged-out

@@ -247,6 +247,20 @@ type DiskSnapshotter interface {
 	ResizeDisk(ctx context.Context, index int, bytes int64) error
 }
 
+// DiskSwitchChecker is implemented by DiskSnapshotters that can tell later,
+// from another process too, whether a switch whose outcome was unknown
+// (ErrDiskSwitch, or a crash of its caller) was made.
+type DiskSwitchChecker interface {
+	// DiskSwitched reports whether overlay is the top of disk index: true
+	// when SnapshotDisk (or a SaveLive given it) made it the top and no
+	// later switch stacked another over it, false when the top is any
+	// other image. It is an error when it cannot tell: the disk is absent
+	// (InvalidArgument), the machine does not answer, or its top was set
+	// in a way it cannot match to overlay. It changes nothing; the
+	// machine may be running.
+	DiskSwitched(ctx context.Context, index int, overlay string) (bool, error)
+}
+
 // ErrDiskSwitch is in the chain of an error of SnapshotDisk, or of a
 // SaveLive given Disks, after which a disk may have been switched to its
 // new overlay, or was although the call failed later: which image the

@@ -31,8 +31,9 @@ func qemuImg(t *testing.T, args ...string) string {
 // new overlay (SnapshotDisk), as a branch does, and grows it (ResizeDisk):
 // the frozen image keeps what the guest wrote before, the overlay takes
 // what it writes after, and its header still names the backing file it
-// was made with. QEMU runs as the unprivileged VMM user in its chroot when
-// the test runs as root, as forkd runs it.
+// was made with; DiskSwitched finds the overlay on top. QEMU runs as the
+// unprivileged VMM user in its chroot when the test runs as root, as
+// forkd runs it.
 func TestDiskSnapshot(t *testing.T) {
 	be := testvm.Backend(t)
 	testutil.RequireCommand(t, "qemu-img")
@@ -83,11 +84,23 @@ func TestDiskSnapshot(t *testing.T) {
 			t.Errorf("SnapshotDisk of disk %d (read-only or absent) = %v, want InvalidArgument", i, err)
 		}
 	}
+	sw := m.(vmm.DiskSwitchChecker)
+	if got, err := sw.DiskSwitched(ctx, 0, next); err != nil || got {
+		t.Fatalf("DiskSwitched before SnapshotDisk = %v, %v; want false", got, err)
+	}
 	t0 := time.Now()
 	if err := ds.SnapshotDisk(ctx, 0, next); err != nil {
 		t.Fatalf("SnapshotDisk: %v", err)
 	}
 	t.Logf("SnapshotDisk took %v", time.Since(t0))
+	// Asked as a later forkd would: the overlay is the disk's top, and
+	// nothing else is.
+	if got, err := sw.DiskSwitched(ctx, 0, next); err != nil || !got {
+		t.Errorf("DiskSwitched(overlay) = %v, %v; want true", got, err)
+	}
+	if got, err := sw.DiskSwitched(ctx, 0, filepath.Join(dir, "other.qcow2")); err != nil || got {
+		t.Errorf("DiskSwitched(another overlay) = %v, %v; want false", got, err)
+	}
 	testutil.Check(t, m.Resume(ctx))
 	frozen := testutil.FileSHA256(t, layer)
 

@@ -68,13 +68,14 @@ type Backend struct {
 }
 
 var (
-	_ vmm.Backend         = (*Backend)(nil)
-	_ vmm.Parker          = (*Backend)(nil)
-	_ vmm.Machine         = (*Machine)(nil)
-	_ vmm.DeviceSaver     = (*Machine)(nil)
-	_ vmm.LiveSaver       = (*Machine)(nil)
-	_ vmm.DiskSnapshotter = (*Machine)(nil)
-	_ vmm.Parked          = (*parked)(nil)
+	_ vmm.Backend           = (*Backend)(nil)
+	_ vmm.Parker            = (*Backend)(nil)
+	_ vmm.Machine           = (*Machine)(nil)
+	_ vmm.DeviceSaver       = (*Machine)(nil)
+	_ vmm.LiveSaver         = (*Machine)(nil)
+	_ vmm.DiskSnapshotter   = (*Machine)(nil)
+	_ vmm.DiskSwitchChecker = (*Machine)(nil)
+	_ vmm.Parked            = (*parked)(nil)
 )
 
 // New returns a QEMU backend. It resolves the binary and accelerator now so

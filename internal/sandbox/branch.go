@@ -150,8 +150,11 @@ func (e *Engine) Branch(ctx context.Context, spec BranchSpec) (*snapshot.Snapsho
 	md := branchMetadata(src, sb, spec, depth)
 	if sb.Disk != nil {
 		if sb.Disk.Image == "" || sb.Disk.Next != "" {
-			// Next left set: a branch switching it was cut short.
-			return nil, errdefs.FailedPrecondition("sandbox %s: the state of its disk is unknown since a branch of it failed; it cannot be branched again", sb.ID)
+			// A branch switching it failed not knowing whether it
+			// did, or was cut short: its VMM knows.
+			if err := e.resolveDisk(ctx, m, sb); err != nil {
+				return nil, err
+			}
 		}
 		// Named in the staging metadata before it exists, so that GC
 		// keeps it from the start.
@@ -306,8 +309,8 @@ func (e *Engine) capture(ctx context.Context, m vmm.Machine, src *snapshot.Snaps
 // whether the capture switched it and its error, and returns the error:
 // the source writes to the new overlay (its record says so; the old image
 // is only the layer now), or it still writes to its image (the layer and
-// the overlay go), or it is unknown which (both stay, and the sandbox is
-// not branched again).
+// the overlay go), or it is unknown which (both stay, recorded, until the
+// next branch asks the VMM: resolveDisk).
 func (e *Engine) settleDisk(id string, db *diskBranch, switched bool, err error) error {
 	switch {
 	case switched:

@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 
 	"github.com/forkd/forkd/internal/agent"
 	"github.com/forkd/forkd/internal/agent/proto"
@@ -153,7 +154,7 @@ type diskBranch struct {
 // keeps it. Undone by abort.
 func (e *Engine) prepareDiskBranch(ctx context.Context, sb *state.Sandbox, layer string) (*diskBranch, error) {
 	db := &diskBranch{layer: layer, mib: sb.Disk.MiB, oldTop: sb.Disk.Image,
-		overlay: filepath.Join(filepath.Dir(sb.Disk.Image), "disk-"+layer+".qcow2")}
+		overlay: filepath.Join(filepath.Dir(sb.Disk.Image), "disk-"+layer+disk.Ext)}
 	if err := e.disks.Add(layer, db.oldTop); err != nil {
 		return nil, err
 	}
@@ -200,13 +201,76 @@ func (db *diskBranch) switched(e *Engine, id string) error {
 	if err := db.record(e, id, db.overlay, ""); err != nil {
 		return err
 	}
-	return os.Remove(db.oldTop)
+	if err := os.Remove(db.oldTop); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return err
+	}
+	return nil
 }
 
 // unknown records that a failed switch left the source's image unknown:
-// its files stay (its run dir goes with it), and it is not branched again.
+// its record keeps both images, as a crash during the switch leaves it,
+// and so do its files, until resolveDisk asks the VMM which it writes to.
 func (db *diskBranch) unknown(e *Engine, id string) error {
-	return db.record(e, id, "", "")
+	return db.record(e, id, db.oldTop, db.overlay)
+}
+
+// resolveDisk settles the disk of sb, a running sandbox whose record
+// leaves its image unknown (Disk.Next set by a branch that failed without
+// knowing whether it switched the disk, or that a crash cut short), by
+// asking m which of the two images its disk writes to, and records that
+// as the branch would have (switched or notSwitched), in the record and
+// in sb. The caller holds sb against kills and branches. Without an
+// answer it is FailedPrecondition with the reason, and nothing changes:
+// the next branch asks again. A record whose image an older forkd
+// blanked cannot be settled.
+func (e *Engine) resolveDisk(ctx context.Context, m vmm.Machine, sb *state.Sandbox) error {
+	unknown := fmt.Sprintf("sandbox %s: the state of its disk is unknown since a branch of it failed", sb.ID)
+	if sb.Disk.Image == "" {
+		return errdefs.FailedPrecondition("%s; it cannot be branched again", unknown)
+	}
+	db, err := e.pendingDiskBranch(sb)
+	if err != nil {
+		return errdefs.FailedPrecondition("%s, and its record is not one forkd makes (%w); it cannot be branched again", unknown, err)
+	}
+	ds, ok := m.(vmm.DiskSwitchChecker)
+	if !ok {
+		return errdefs.FailedPrecondition("%s, and backend %s cannot tell which image it writes to; it cannot be branched again", unknown, e.cfg.Backend.Name())
+	}
+	switched, err := ds.DiskSwitched(ctx, scratchIndex, db.overlay)
+	if err != nil {
+		return errdefs.FailedPrecondition("%s, and its VMM did not tell which image it writes to (%w); retry to ask again", unknown, err)
+	}
+	if switched {
+		err = db.switched(e, sb.ID)
+	} else {
+		err = db.notSwitched(e, sb.ID)
+	}
+	if err != nil {
+		return fmt.Errorf("sandbox %s: settle its disk (switched: %t): %w", sb.ID, switched, err)
+	}
+	if switched {
+		sb.Disk.Image = db.overlay
+	}
+	sb.Disk.Next = ""
+	e.log.Info("settled the disk of a failed branch", "sandbox", sb.ID, "switched", switched, "image", sb.Disk.Image)
+	return nil
+}
+
+// pendingDiskBranch is the branch of sb's disk its record says is in
+// progress: the overlay next to its image, named by prepareDiskBranch
+// after the layer. Both are in one of the engine's run dirs.
+func (e *Engine) pendingDiskBranch(sb *state.Sandbox) (*diskBranch, error) {
+	d := sb.Disk
+	dir := filepath.Dir(d.Image)
+	if filepath.Dir(dir) != e.runDir || filepath.Dir(d.Next) != dir || d.Next == d.Image {
+		return nil, errdefs.InvalidArgument("disk images %s and %s: not side by side in a run dir", errdefs.Quote(d.Image), errdefs.Quote(d.Next))
+	}
+	name := filepath.Base(d.Next)
+	layer := strings.TrimSuffix(strings.TrimPrefix(name, "disk-"), disk.Ext)
+	if name != "disk-"+layer+disk.Ext || disk.ValidateID(layer) != nil {
+		return nil, errdefs.InvalidArgument("disk image %s: not named after a disk layer", errdefs.Quote(d.Next))
+	}
+	return &diskBranch{layer: layer, mib: d.MiB, oldTop: d.Image, overlay: d.Next}, nil
 }
 
 // gcDisks removes the disk layers nothing uses any more: no snapshot

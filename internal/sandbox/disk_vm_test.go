@@ -259,9 +259,10 @@ const diskCrashEnv = "FORKD_TEST_DISK_CRASH"
 // TestDiskCrash SIGKILLs a real forkd process (this test binary,
 // re-executed) branching a sandbox with a disk, right after the switch
 // to the new overlay and before its outcome is recorded. The next
-// daemon's reconcile adopts the source, whose record still reads and
-// says its disk is unknown: the source keeps its file, a new branch of
-// it is refused, the cut-short branch is failed, and once both are gone
+// daemon's reconcile adopts the source, whose record still reads, asks
+// its VMM which image its disk writes to and records the new overlay:
+// the source keeps its file, a new branch of it carries what it wrote
+// after the crash, the cut-short branch is failed, and once all are gone
 // no disk layer or image is left.
 func TestDiskCrash(t *testing.T) {
 	if v := os.Getenv(diskCrashEnv); v != "" {
@@ -318,27 +319,37 @@ func TestDiskCrash(t *testing.T) {
 	if !slices.Contains(rep.Adopted, id) {
 		t.Fatalf("reconcile %+v: the source %s not adopted", rep, id)
 	}
+	crashed, err := d.Snapshots().Get("crashed")
+	if err != nil || crashed.Status != snapshot.StatusFailed {
+		t.Fatalf("the cut-short branch: %v, want it failed", err)
+	}
+	layer, _ := crashed.DiskLayer()
 	sb, err := d.State().Get(id)
 	testutil.Check(t, err)
-	if sb.Disk == nil || sb.Disk.Next == "" {
-		t.Fatalf("the source's record after the crash: disk %+v, want its next image set", sb.Disk)
-	}
-	if sn, err := d.Snapshots().Get("crashed"); err != nil || sn.Status != snapshot.StatusFailed {
-		t.Errorf("the cut-short branch: %v, want it failed", err)
+	if want := filepath.Join(filepath.Dir(sb.Disk.Image), "disk-"+layer+disk.Ext); sb.Disk.Next != "" || sb.Disk.Image != want {
+		t.Fatalf("the source's record after the crash: disk %+v, want it settled on %s", sb.Disk, want)
 	}
 	if got := sh(t, d, id, "cat /root/own && echo more >> /root/own && sync && cat /root/own"); got != "kept\nkept\nmore" {
 		t.Fatalf("the source's disk after the crash: %q", got)
 	}
-	if _, err := d.Branch(ctx, sandbox.BranchSpec{ID: id, Tag: "again"}); !errdefs.IsFailedPrecondition(err) {
-		t.Fatalf("branch of a source whose disk is unknown = %v, want FailedPrecondition", err)
+	// Branched again, from the image it writes to.
+	if _, err := d.Branch(ctx, sandbox.BranchSpec{ID: id, Tag: "again"}); err != nil {
+		t.Fatalf("branch of a source whose disk was settled: %v", err)
+	}
+	res, err = d.Fork(ctx, sandbox.ForkSpec{Tag: "again", N: 1})
+	testutil.Check(t, err)
+	if got := sh(t, d, res.Children[0].ID, "cat /root/own"); got != "kept\nkept\nmore" {
+		t.Errorf("the branch's child reads %q", got)
 	}
 	// The failed branch names its disk layer until it is removed.
+	testutil.Check(t, d.Kill(ctx, res.Children[0].ID))
 	testutil.Check(t, d.Kill(ctx, id))
+	testutil.Check(t, d.RemoveSnapshot("again"))
 	testutil.Check(t, d.RemoveSnapshot("crashed"))
 	if _, err := d.Reconcile(ctx); err != nil {
 		t.Fatal(err)
 	}
-	for _, glob := range []string{"disks/*.qcow2", "run/*", "snapshots/.staging-*", "snapshots/crashed"} {
+	for _, glob := range []string{"disks/*.qcow2", "run/*", "snapshots/.staging-*", "snapshots/crashed", "snapshots/again"} {
 		if left, _ := filepath.Glob(filepath.Join(dir, glob)); len(left) > 0 {
 			t.Errorf("left after the kill: %v", left)
 		}

@@ -121,6 +121,13 @@ func (e *Engine) Reconcile(ctx context.Context) (*ReconcileReport, error) {
 				if err := m.Resume(ctx); err != nil {
 					e.log.Warn("resume adopted sandbox", "sandbox", sb.ID, "err", err)
 				}
+				// It also leaves the image of its disk unknown: settled
+				// now if its VMM tells, else at its next branch.
+				if sb.Disk != nil && sb.Disk.Next != "" && sb.Disk.Image != "" {
+					if err := e.resolveDisk(ctx, m, sb); err != nil {
+						e.log.Warn("settle the disk of adopted sandbox", "sandbox", sb.ID, "err", err)
+					}
+				}
 			}
 		case sb.Status == state.StatusParked:
 			// Parked VMMs belong to the process that parked them.

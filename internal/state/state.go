@@ -107,12 +107,14 @@ type Port struct {
 // its VMM writes to (the top of a chain of disk layers).
 type Disk struct {
 	MiB int `json:"mib"`
-	// Image is the image the VMM writes to now; "" when a branch failed
-	// in a way that leaves it unknown (the sandbox runs on, and cannot be
-	// branched again).
+	// Image is the image the VMM writes to now, unless Next is set. An
+	// older forkd left it "" when a branch failed in a way that left it
+	// unknown (the sandbox runs on, and cannot be branched again).
 	Image string `json:"image,omitempty"`
 	// Next is the image a branch in progress switches the VMM to. Left
-	// set by a crash, it makes Image unknown too.
+	// set by a crash, or by a branch that failed not knowing whether it
+	// switched, it makes the image unknown: Image or Next, which the
+	// next branch asks the VMM.
 	Next string `json:"next,omitempty"`
 }
 

@@ -318,6 +318,8 @@ func coldBoot(ctx context.Context, e *sandbox.Engine, img *image.Image, o Option
 				Resources: vmm.Resources{MemoryMiB: o.MemoryMiB, VCPUs: 1},
 				Kernel:    img.Kernel, Initrd: img.Initrd, Cmdline: img.Cmdline,
 			}
+			// Read back only when the guest does not answer.
+			spec.ConsoleLog = filepath.Join(spec.RunDir, "console.log")
 			if img.Rootfs != "" {
 				spec.Disks = []vmm.Disk{{Path: img.Rootfs, ReadOnly: true}}
 			}
@@ -335,7 +337,7 @@ func coldBoot(ctx context.Context, e *sandbox.Engine, img *image.Image, o Option
 			defer cancel()
 			c, err := sandbox.DialAgent(bctx, m, agent.Options{})
 			if err != nil {
-				errs[i] = err
+				errs[i] = fmt.Errorf("%w%s", err, sandbox.ConsoleTail(spec.ConsoleLog))
 				return
 			}
 			defer c.Close()

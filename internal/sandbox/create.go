@@ -285,7 +285,7 @@ func (e *Engine) warm(ctx context.Context, m vmm.Machine, spec SnapshotSpec, con
 	defer cancel()
 	c, err := DialAgent(bctx, m, agent.Options{})
 	if err != nil {
-		return fmt.Errorf("parent agent: %w%s", err, consoleTail(consoleLog))
+		return fmt.Errorf("parent agent: %w%s", err, ConsoleTail(consoleLog))
 	}
 	defer c.Close()
 	// Init starts the warm interpreter and imports its preload (pandas and
@@ -357,7 +357,9 @@ func initRequest(id string, pidsLimit int) proto.InitRequest {
 	return proto.InitRequest{Time: time.Now(), Entropy: ent, SandboxID: id, Hostname: id, PIDsLimit: pidsLimit}
 }
 
-func consoleTail(path string) string {
+// ConsoleTail returns the end of a guest's console log at path, to add
+// to the error of a guest that did not answer ("" when there is none).
+func ConsoleTail(path string) string {
 	b, err := os.ReadFile(path)
 	if err != nil || len(b) == 0 {
 		return ""

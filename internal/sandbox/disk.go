@@ -154,7 +154,7 @@ type diskBranch struct {
 // keeps it. Undone by abort.
 func (e *Engine) prepareDiskBranch(ctx context.Context, sb *state.Sandbox, layer string) (*diskBranch, error) {
 	db := &diskBranch{layer: layer, mib: sb.Disk.MiB, oldTop: sb.Disk.Image,
-		overlay: filepath.Join(filepath.Dir(sb.Disk.Image), "disk-"+layer+disk.Ext)}
+		overlay: filepath.Join(filepath.Dir(sb.Disk.Image), overlayName(layer))}
 	if err := e.disks.Add(layer, db.oldTop); err != nil {
 		return nil, err
 	}
@@ -168,6 +168,10 @@ func (e *Engine) prepareDiskBranch(ctx context.Context, sb *state.Sandbox, layer
 	}
 	return db, nil
 }
+
+// overlayName is the file name of the overlay a branch of disk layer
+// layer gives its source, next to the source's image.
+func overlayName(layer string) string { return "disk-" + layer + disk.Ext }
 
 // record sets the source's disk image and next image in its record.
 func (db *diskBranch) record(e *Engine, id, image, next string) error {
@@ -267,7 +271,7 @@ func (e *Engine) pendingDiskBranch(sb *state.Sandbox) (*diskBranch, error) {
 	}
 	name := filepath.Base(d.Next)
 	layer := strings.TrimSuffix(strings.TrimPrefix(name, "disk-"), disk.Ext)
-	if name != "disk-"+layer+disk.Ext || disk.ValidateID(layer) != nil {
+	if name != overlayName(layer) || disk.ValidateID(layer) != nil {
 		return nil, errdefs.InvalidArgument("disk image %s: not named after a disk layer", errdefs.Quote(d.Next))
 	}
 	return &diskBranch{layer: layer, mib: d.MiB, oldTop: d.Image, overlay: d.Next}, nil

@@ -38,6 +38,8 @@ ffffffffff600000-ffffffffff601000 --xp 00000000 00:00 0                  [vsysca
 // swap and came back).
 const pageOutChildEnv = "FORKD_TEST_PAGEOUT_CHILD"
 
+// TestPageOut pages a child out and reads its resident pages back in
+// (ResidentAnon, PageIn): its data is whole.
 func TestPageOut(t *testing.T) {
 	if os.Getenv(pageOutChildEnv) == "1" {
 		m, err := unix.Mmap(-1, 0, 3<<30, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
@@ -87,6 +89,11 @@ func TestPageOut(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// What PageIn brings back below: the pages resident now.
+	hot, err := ResidentAnon(id, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
 	if _, err := PageOut(id, func() bool { return false }); !errors.Is(err, ErrStopped) {
 		t.Fatalf("PageOut told to stop at once: %v, want ErrStopped", err)
 	}
@@ -98,6 +105,15 @@ func TestPageOut(t *testing.T) {
 	// 2 GiB included.
 	if swap, _ := SwapBytes(id.PID); moved < 23<<20 || swap < moved {
 		t.Fatalf("PageOut moved %d KiB to swap (VmSwap %d KiB), want the child's 24 MiB of data", moved>>10, swap>>10)
+	}
+	// Read back without the child running: its data leaves swap.
+	read, err := PageIn(id, hot)
+	if err != nil {
+		t.Fatal(err)
+	}
+	swap, _ := SwapBytes(id.PID)
+	if read < 24<<20 || swap > moved-23<<20 {
+		t.Fatalf("PageIn read %d KiB and left %d KiB in swap (of %d KiB paged out), want the child's 24 MiB of data back", read>>10, swap>>10, moved>>10)
 	}
 	fmt.Fprintln(in)
 	after, err := out.ReadString('\n')

@@ -12,7 +12,6 @@ import (
 	"github.com/forkd/forkd/internal/errdefs"
 	"github.com/forkd/forkd/internal/proc"
 	"github.com/forkd/forkd/internal/state"
-	"golang.org/x/sys/unix"
 )
 
 // Idle freezing (daemon mode): a running sandbox that has had no request
@@ -21,16 +20,8 @@ import (
 // wake-ups), and thawed by the next request of any kind before that
 // request reaches the guest, or by inbound traffic within IdlePoll. After
 // a thaw the guest is told the time. A frozen sandbox keeps its memory,
-// its TTL (the expirer kills it frozen or not) and its network.
-//
-// Idle reclaim: once a sandbox has stayed frozen for IdleReclaim, the
-// idle watch pages its VMM's private memory out (proc.PageOut), to the
-// host's swap: compressed in RAM with zram (scripts/zram-swap.sh). The
-// next wake faults back what the guest touches; the rest stays out.
-// Pages faulted back (and those of a paged-out sandbox that goes) leave
-// holes in zram's pool, which takes RAM until compacted: the idle watch
-// asks zram to compact its pools a while after such a wake or kill
-// (zramCompactDelay), at most once every zramCompactEvery.
+// its TTL (the expirer kills it frozen or not) and its network. Idle
+// reclaim (reclaim.go) pages out what sandboxes frozen long enough hold.
 
 // DefaultIdleFreeze is forkd serve's --idle-freeze default.
 const DefaultIdleFreeze = 10 * time.Second
@@ -55,23 +46,6 @@ const cpuWindow = time.Second
 
 // idleRescan is how often the idle watch reloads the list of sandboxes.
 const idleRescan = 2 * time.Second
-
-// DefaultIdleReclaim is forkd serve's --idle-reclaim default: an agent
-// idle this long does not notice the next wake's page-ins (about 0.1 s).
-const DefaultIdleReclaim = time.Minute
-
-// reclaimSwapFree is the free swap below which the idle watch pages
-// nothing out: a VMM holds some tens of MiB.
-const reclaimSwapFree = 256 << 20
-
-// zramCompactDelay is how long after a paged-out sandbox woke (or went)
-// the idle watch compacts zram's pools: its guest has faulted back what
-// its request touched by then. zramCompactEvery bounds how often: a
-// compaction walks the whole pool.
-const (
-	zramCompactDelay = 5 * time.Second
-	zramCompactEvery = 30 * time.Second
-)
 
 // ValidateIdleFreezeSecs checks a sandbox's own idle-freeze time.
 func ValidateIdleFreezeSecs(secs int) error {
@@ -481,129 +455,6 @@ func (e *Engine) freeze(id string) error {
 	e.idle.mu.Unlock()
 	e.log.Debug("sandbox frozen", "sandbox", id)
 	return nil
-}
-
-// reclaimJob names a frozen sandbox to page out, during its gen'th
-// freeze.
-type reclaimJob struct {
-	id  string
-	pid proc.Identity
-	gen uint64
-}
-
-// reclaimable reports whether st has been frozen for its reclaim time,
-// nothing is waking it, and no page-out was tried during this freeze.
-// Called with e.idle.mu held.
-func (e *Engine) reclaimable(st *idleState, now time.Time) bool {
-	return st.frozen && !st.tried && st.busy == 0 && st.pid.PID != 0 && e.idle.reclaimAfter > 0 && now.Sub(st.frozenAt) >= e.idle.reclaimAfter
-}
-
-// stillFrozen reports whether j's sandbox is still in j's freeze, with
-// nothing waking it. Called with e.idle.mu held.
-func (e *Engine) stillFrozen(j reclaimJob) bool {
-	st := e.idle.m[j.id]
-	return st != nil && st.frozen && st.gen == j.gen && st.pid == j.pid && st.busy == 0 && e.idle.reclaimAfter > 0
-}
-
-// SetIdleReclaim changes how long the idle watch leaves a sandbox frozen
-// before it pages it out (Config.IdleReclaim; 0 never), for sandboxes
-// frozen now too. For benchmarks, which measure without it first.
-func (e *Engine) SetIdleReclaim(d time.Duration) {
-	e.idle.mu.Lock()
-	defer e.idle.mu.Unlock()
-	e.idle.reclaimAfter = d
-}
-
-// reclaimRetry is how long the idle watch waits to look for swap again
-// after finding none free.
-const reclaimRetry = 10 * time.Second
-
-// reclaim pages out the VMMs of jobs one after the other, each only while
-// its sandbox stays in the freeze it was picked in, and only while the
-// host has swap free, until ctx ends. A page-out stops as soon as its
-// sandbox is being woken, so a request never waits on it; it is tried
-// once a freeze.
-func (e *Engine) reclaim(ctx context.Context, jobs []reclaimJob) {
-	defer func() {
-		e.idle.mu.Lock()
-		e.idle.reclaiming = false
-		e.idle.mu.Unlock()
-	}()
-	for _, j := range jobs {
-		if ctx.Err() != nil {
-			return
-		}
-		free, err := e.idle.swapFree()
-		e.idle.mu.Lock()
-		warn := free < reclaimSwapFree && !e.idle.noSwap
-		e.idle.noSwap, e.idle.swapChecked = free < reclaimSwapFree, time.Now()
-		st := e.idle.m[j.id]
-		still := !e.idle.noSwap && st != nil && e.stillFrozen(j) && e.reclaimable(st, time.Now())
-		if still {
-			st.tried = true
-		}
-		e.idle.mu.Unlock()
-		if warn {
-			e.log.Warn("idle sandboxes' memory is not reclaimed while the host's swap is full or absent (scripts/zram-swap.sh gives it compressed swap in RAM)", "swap_free_mib", free>>20, "err", err)
-		}
-		if free < reclaimSwapFree {
-			return
-		}
-		if !still {
-			continue
-		}
-		moved, err := e.idle.pageOut(j.pid, func() bool {
-			e.idle.mu.Lock()
-			defer e.idle.mu.Unlock()
-			return ctx.Err() == nil && e.stillFrozen(j)
-		})
-		switch {
-		case errors.Is(err, unix.ENOSYS), errors.Is(err, unix.EPERM), errors.Is(err, unix.EACCES):
-			e.idle.mu.Lock()
-			e.idle.cannot = true
-			e.idle.mu.Unlock()
-			e.log.Warn("idle sandboxes' memory is not reclaimed: the kernel refuses process_madvise (Linux 5.10 or later, and CAP_SYS_NICE, needed)", "err", err)
-			return
-		case errors.Is(err, proc.ErrStopped), errdefs.IsNotFound(err):
-			continue
-		case err != nil:
-			e.log.Warn("idle watch: page out", "sandbox", j.id, "err", err)
-			continue
-		}
-		e.idle.mu.Lock()
-		// Nothing moved: a cgroup that allows it no swap (cgroup v2 with
-		// a memory limit sets memory.swap.max 0), or nothing left to go.
-		if moved > 0 {
-			if e.stillFrozen(j) {
-				st.reclaimed = true
-			}
-			st.swapped = true
-			e.idle.stats.Reclaims++
-			e.idle.stats.SwappedBytes += moved
-		}
-		e.idle.mu.Unlock()
-		e.log.Debug("sandbox paged out", "sandbox", j.id, "moved_mib", moved>>20)
-	}
-}
-
-// compactZram compacts the pools of the zram devices the host swaps to
-// (none: nothing to count), and counts the RAM that freed. The first
-// failure turns it off, with a warning.
-func (e *Engine) compactZram() {
-	n, freed, err := e.idle.compact()
-	e.idle.mu.Lock()
-	e.idle.compacting = false
-	e.idle.noCompact = err != nil
-	if err == nil && n > 0 {
-		e.idle.stats.ZramCompactions++
-		e.idle.stats.ZramCompactedBytes += freed
-	}
-	e.idle.mu.Unlock()
-	if err != nil {
-		e.log.Warn("zram's pools are not compacted: the RAM pages swapped back in took stays taken until the kernel compacts them", "err", err)
-		return
-	}
-	e.log.Debug("compacted zram", "freed_mib", freed>>20)
 }
 
 // thawAll thaws every sandbox the idle watch froze.

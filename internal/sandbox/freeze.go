@@ -71,6 +71,12 @@ type FreezeStats struct {
 	// watch asked for, ZramCompactedBytes the RAM they freed.
 	ZramCompactions    int64 `json:"zram_compactions"`
 	ZramCompactedBytes int64 `json:"zram_compacted_bytes"`
+	// PageIns counts the wakes that read a paged-out sandbox's pages
+	// back before its guest ran, PageInBytes what they read and
+	// PageInSeconds how long that took, summed.
+	PageIns       int64   `json:"page_ins"`
+	PageInBytes   int64   `json:"page_in_bytes"`
+	PageInSeconds float64 `json:"page_in_seconds"`
 }
 
 // idleState is what the idle watch knows of one sandbox.
@@ -93,6 +99,11 @@ type idleState struct {
 	frozenAt                  time.Time
 	gen                       uint64
 	tried, reclaimed, swapped bool
+	// hot is what the page-out during this freeze found resident, when
+	// it was not the first page-out of the sandbox: the pages its guest
+	// touched since the one before, which the wake reads back (nil:
+	// none known).
+	hot []proc.Span
 	// resync is set by a thaw: the next client of the sandbox tells the
 	// guest the time first.
 	resync bool
@@ -119,9 +130,12 @@ type idler struct {
 	// one failed (zram too old, or not there). Guarded by mu.
 	compactDue, compacted time.Time
 	compacting, noCompact bool
-	// pageOut, swapFree and compact are proc.PageOut, the host's free
+	// pageOut, resident, pageIn, swapFree and compact are
+	// proc.PageOut, proc.ResidentAnon, proc.PageIn, the host's free
 	// swap and proc.CompactZramSwap; unit tests replace them.
 	pageOut  func(proc.Identity, func() bool) (int64, error)
+	resident func(proc.Identity, uint64) ([]proc.Span, error)
+	pageIn   func(proc.Identity, []proc.Span) (int64, error)
 	swapFree func() (uint64, error)
 	compact  func() (int, int64, error)
 }
@@ -229,6 +243,7 @@ func (e *Engine) hold(id string) (release func(), resync bool, err error) {
 // thaw thaws sandbox id's VMM. Called with id's lock in e.idle.locks
 // held.
 func (e *Engine) thaw(id string, st *idleState) error {
+	e.pageInHot(id, st)
 	if err := e.cfg.Cgroups.Thaw(id); err != nil {
 		return fmt.Errorf("wake sandbox %s: %w", id, err)
 	}
@@ -450,7 +465,7 @@ func (e *Engine) freeze(id string) error {
 	e.idle.mu.Lock()
 	st.frozen, st.cpuAt, st.frozenAt = true, time.Time{}, time.Now()
 	st.gen++
-	st.tried, st.reclaimed = false, false
+	st.tried, st.reclaimed, st.hot = false, false, nil
 	e.idle.stats.Freezes++
 	e.idle.mu.Unlock()
 	e.log.Debug("sandbox frozen", "sandbox", id)

@@ -170,3 +170,67 @@ func TestIdleZramCompact(t *testing.T) {
 		t.Fatalf("stats %+v after a failed compaction", st)
 	}
 }
+
+// From a sandbox's second page-out on, the idle watch notes its VMM's
+// resident pages first, and the wake after that page-out reads them back,
+// once; a page-out a wake stopped keeps nothing for it. The page-outs and
+// the reads are fakes here (TestIdleFreezeVM wakes a real VMM from its
+// second and third page-outs; proc's tests read a real process back).
+func TestIdleWakePageIn(t *testing.T) {
+	e := fakeEngine(t)
+	spans := []proc.Span{{Start: 0x10000, Len: 8 << 20}}
+	var resident, pagedIn int
+	var residentErr error
+	e.idle.swapFree = func() (uint64, error) { return 1 << 30, nil }
+	pageOut := func(proc.Identity, func() bool) (int64, error) { return 30 << 20, nil }
+	e.idle.pageOut = func(id proc.Identity, keep func() bool) (int64, error) { return pageOut(id, keep) }
+	e.idle.resident = func(_ proc.Identity, limit uint64) ([]proc.Span, error) {
+		resident++
+		if limit != wakePageInMax {
+			t.Errorf("resident pages read with limit %d, want %d", limit, wakePageInMax)
+		}
+		return spans, residentErr
+	}
+	e.idle.pageIn = func(_ proc.Identity, got []proc.Span) (int64, error) {
+		pagedIn++
+		if fmt.Sprint(got) != fmt.Sprint(spans) {
+			t.Errorf("read back %v, want %v", got, spans)
+		}
+		return 8 << 20, nil
+	}
+	e.SetIdleReclaim(time.Minute)
+	st := &idleState{frozen: true, frozenAt: time.Now().Add(-2 * time.Minute), gen: 1, slot: -1, pid: proc.Identity{PID: 1, StartTime: 1}}
+	e.idle.m["a"] = st
+	// cycle freezes st anew (the gen'th freeze), ticks the idle watch
+	// once and wakes it: it returns how often the resident pages were
+	// read and how often read back.
+	cycle := func(gen uint64) (int, int) {
+		t.Helper()
+		resident, pagedIn = 0, 0
+		st.frozen, st.gen, st.tried, st.reclaimed, st.hot = true, gen, false, false, nil
+		var wg sync.WaitGroup
+		e.idleTick(context.Background(), &wg)
+		wg.Wait()
+		e.pageInHot("a", st)
+		e.pageInHot("a", st) // a second wake reads nothing
+		return resident, pagedIn
+	}
+	if r, p := cycle(1); r != 0 || p != 0 {
+		t.Fatalf("first page-out: resident pages read %d times, read back %d, want neither", r, p)
+	}
+	if r, p := cycle(2); r != 1 || p != 1 {
+		t.Fatalf("second page-out: resident pages read %d times, read back %d, want once each", r, p)
+	}
+	if s := e.FreezeStats(); s.PageIns != 1 || s.PageInBytes != 8<<20 || s.PageInSeconds <= 0 {
+		t.Fatalf("stats %+v after one wake that read back", s)
+	}
+	pageOut = func(proc.Identity, func() bool) (int64, error) { return 0, proc.ErrStopped }
+	if r, p := cycle(3); r != 1 || p != 0 {
+		t.Fatalf("page-out a wake stopped: resident pages read %d times, read back %d, want once and never", r, p)
+	}
+	pageOut = func(proc.Identity, func() bool) (int64, error) { return 30 << 20, nil }
+	residentErr, spans = errors.New("read pagemap: boom"), nil
+	if r, p := cycle(4); r != 1 || p != 0 || !st.reclaimed {
+		t.Fatalf("resident pages unreadable: read %d times, read back %d, reclaimed %v; want once, never, paged out all the same", r, p, st.reclaimed)
+	}
+}

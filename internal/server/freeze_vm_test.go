@@ -225,7 +225,7 @@ func TestIdleFreezeVM(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		before, compactions := d.e.FreezeStats().Reclaims, d.e.FreezeStats().ZramCompactions
+		before, compactions, pageIns := d.e.FreezeStats().Reclaims, d.e.FreezeStats().ZramCompactions, d.e.FreezeStats().PageIns
 		d.e.SetIdleReclaim(time.Second)
 		defer d.e.SetIdleReclaim(0)
 		// paged waits until the daemon froze the child and paged its VMM
@@ -277,7 +277,10 @@ func TestIdleFreezeVM(t *testing.T) {
 			}
 			return err
 		})
-		if st := d.e.FreezeStats(); st.Reclaims-before < 3 || st.SwappedBytes <= 0 {
+		// The second and third page-outs noted what the wake before
+		// had brought back, and the wakes after them read it back
+		// first: over a MiB each.
+		if st := d.e.FreezeStats(); st.Reclaims-before < 3 || st.SwappedBytes <= 0 || st.PageIns-pageIns < 2 || st.PageInBytes < 2<<20 {
 			t.Errorf("freeze stats %+v after three page-outs", st)
 		}
 		// What the wakes brought back left holes in zram's pool, which

@@ -141,6 +141,22 @@ type ScaleResult struct {
 	ExecAwakeAfterReclaim  Summary      `json:"exec_awake_after_reclaim_ms"`
 	MeanWakeAfterReclaimMS float64      `json:"mean_wake_after_reclaim_ms,omitempty"`
 	AfterReclaimMemory     *ChildMemory `json:"after_reclaim_memory,omitempty"`
+	// Then the reclaim phase once more: every child paged out a second
+	// time (ReclaimedAgain of them), an exec in each, and the memory
+	// after it. At this page-out the idle watch notes what the wakes
+	// since the first one brought back, and the wake reads it back
+	// before its guest runs: PageIns wakes did, reading PageInMiB in
+	// PageInMS each (means).
+	AllReclaimedAgainMS      float64      `json:"all_reclaimed_again_ms,omitempty"`
+	ReclaimedAgain           int          `json:"reclaimed_again"`
+	ReclaimedAgainMemory     *ChildMemory `json:"reclaimed_again_memory,omitempty"`
+	ExecReclaimedAgain       Summary      `json:"exec_reclaimed_again_ms"`
+	ExecAwakeReclaimedAgain  Summary      `json:"exec_awake_reclaimed_again_ms"`
+	MeanWakeReclaimedAgainMS float64      `json:"mean_wake_reclaimed_again_ms,omitempty"`
+	PageIns                  int64        `json:"page_ins"`
+	PageInMiB                float64      `json:"page_in_mib,omitempty"`
+	PageInMS                 float64      `json:"page_in_ms,omitempty"`
+	AfterWakeAgainMemory     *ChildMemory `json:"after_wake_again_memory,omitempty"`
 
 	KillAllMS float64 `json:"kill_all_ms"`
 }
@@ -372,7 +388,8 @@ func scaleFrozen(ctx context.Context, e *sandbox.Engine, ids []string, pids []in
 // it has paged every child out, and turns it off; it measures their
 // memory, times an exec in each (woken from paged out), measures their
 // memory again, then times an exec in each woken from frozen once more
-// and measures their memory a last time.
+// and measures their memory; then all of that once more, from a second
+// page-out.
 func scaleReclaimed(ctx context.Context, e *sandbox.Engine, ids []string, pids []int, d time.Duration, r *ScaleResult, say func(string, ...any)) error {
 	if d <= 0 {
 		return nil
@@ -384,23 +401,7 @@ func scaleReclaimed(ctx context.Context, e *sandbox.Engine, ids []string, pids [
 		return nil
 	}
 	say("waiting for the idle watch to freeze them and page them out (after %s)", d)
-	waitFrozen(e, len(ids))
-	want := e.FreezeStats().Frozen
-	e.SetIdleReclaim(d)
-	// Until all frozen are paged out, or none was for half a minute
-	// (swap full).
-	start, n, grew := time.Now(), 0, time.Now()
-	for n < want && time.Since(grew) < d+30*time.Second {
-		time.Sleep(100 * time.Millisecond)
-		if m := e.FreezeStats().Reclaimed; m > n {
-			n, grew = m, time.Now()
-		}
-	}
-	r.AllReclaimedMS = msSince(start)
-	// Off again: a child woken early in the exec round below must not be
-	// paged out again before the memory after it is measured.
-	e.SetIdleReclaim(0)
-	if r.Reclaimed = e.FreezeStats().Reclaimed; r.Reclaimed == 0 {
+	if r.AllReclaimedMS, r.Reclaimed = pageOutAll(e, len(ids), d); r.Reclaimed == 0 {
 		say("nothing was paged out (the daemon's log says why)")
 		return nil
 	}
@@ -422,8 +423,51 @@ func scaleReclaimed(ctx context.Context, e *sandbox.Engine, ids []string, pids [
 	say("exec in each child again, woken from frozen, not paged out again")
 	r.ExecAfterReclaim, r.ExecAwakeAfterReclaim, r.MeanWakeAfterReclaimMS, failed = execEach(ctx, e, ids, say)
 	r.ExecFailed += failed
-	r.AfterReclaimMemory, err = childMemory(pids)
+	if r.AfterReclaimMemory, err = childMemory(pids); err != nil {
+		return err
+	}
+
+	say("waiting for the idle watch to page them out a second time")
+	if r.AllReclaimedAgainMS, r.ReclaimedAgain = pageOutAll(e, len(ids), d); r.ReclaimedAgain == 0 {
+		say("nothing was paged out the second time (the daemon's log says why)")
+		return nil
+	}
+	if r.ReclaimedAgainMemory, err = childMemory(pids); err != nil {
+		return err
+	}
+	say("exec in each child, woken from its second page-out")
+	before := e.FreezeStats()
+	r.ExecReclaimedAgain, r.ExecAwakeReclaimedAgain, r.MeanWakeReclaimedAgainMS, failed = execEach(ctx, e, ids, say)
+	r.ExecFailed += failed
+	after := e.FreezeStats()
+	if r.PageIns = after.PageIns - before.PageIns; r.PageIns > 0 {
+		n := float64(r.PageIns)
+		r.PageInMiB = float64(after.PageInBytes-before.PageInBytes) / (1 << 20) / n
+		r.PageInMS = 1000 * (after.PageInSeconds - before.PageInSeconds) / n
+	}
+	r.AfterWakeAgainMemory, err = childMemory(pids)
 	return err
+}
+
+// pageOutAll waits until the idle watch has frozen n sandboxes, turns its
+// reclaim on (after d) until it has paged all those frozen out, or none
+// for half a minute (swap full), and off again: a child woken early in an
+// exec round after must not be paged out again before the memory after it
+// is measured. It returns how long the page-outs took, in ms, and how many
+// sandboxes they left paged out.
+func pageOutAll(e *sandbox.Engine, n int, d time.Duration) (ms float64, reclaimed int) {
+	waitFrozen(e, n)
+	want := e.FreezeStats().Frozen
+	e.SetIdleReclaim(d)
+	defer e.SetIdleReclaim(0)
+	start, got, grew := time.Now(), 0, time.Now()
+	for got < want && time.Since(grew) < d+30*time.Second {
+		time.Sleep(100 * time.Millisecond)
+		if m := e.FreezeStats().Reclaimed; m > got {
+			got, grew = m, time.Now()
+		}
+	}
+	return msSince(start), e.FreezeStats().Reclaimed
 }
 
 // childMemory measures the memory of the VMMs pids.

@@ -254,6 +254,15 @@ func benchScale(cmd *cobra.Command, g *globals, o bench.ScaleOptions, asJSON boo
 			r.ExecAfterReclaim.P50, r.ExecAfterReclaim.P90, r.ExecAfterReclaim.P99, r.MeanWakeAfterReclaimMS, r.ExecAwakeAfterReclaim.P50)
 		afterExec(m)
 	}
+	if m := r.ReclaimedAgainMemory; m != nil {
+		fmt.Fprintf(g.stdout, "paged out again (%d, in %.0f s): resident p50 %.1f MiB, swap p50 %.1f MiB; host per child %.1f MiB (%.1f compacted)\n",
+			r.ReclaimedAgain, r.AllReclaimedAgainMS/1000, m.PrivateMiB.P50, m.SwapMiB.P50, m.HostMiB, m.HostCompactedMiB)
+		fmt.Fprintf(g.stdout, "exec over all, each woken from its second page-out: p50 %.0f ms, p90 %.0f ms, p99 %.0f ms (mean wake %.0f ms; %d read back %.1f MiB in %.0f ms first); awake: p50 %.0f ms\n",
+			r.ExecReclaimedAgain.P50, r.ExecReclaimedAgain.P90, r.ExecReclaimedAgain.P99, r.MeanWakeReclaimedAgainMS, r.PageIns, r.PageInMiB, r.PageInMS, r.ExecAwakeReclaimedAgain.P50)
+	}
+	if m := r.AfterWakeAgainMemory; m != nil {
+		afterExec(m)
+	}
 	fmt.Fprintf(g.stdout, "kill all: %.1f s\n", r.KillAllMS/1000)
 	return nil
 }

@@ -288,7 +288,9 @@ func TestBenchJSON(t *testing.T) {
 
 // bench --scale forks N twice (the second time from the refilled pool),
 // measures the children awake and frozen, and execs in each while the
-// pool refills and again once it is full; it leaves nothing behind.
+// pool refills and again once it is full; with swap (CI has zram) it
+// pages them out twice and execs in each after each page-out, the second
+// time with the pages read back first; it leaves nothing behind.
 func TestBenchScaleJSON(t *testing.T) {
 	c := newCLI(t)
 	out := c.ok("bench", "--scale", "3", "--idle", "1s", "--json")
@@ -307,6 +309,16 @@ func TestBenchScaleJSON(t *testing.T) {
 		"exec_roundtrip_steady_ms": r.ExecRoundtripSteady, "exec_awake_ms": r.ExecAwake} {
 		if s.N != 3 || s.P50 <= 0 {
 			t.Errorf("%s: %+v", name, s)
+		}
+	}
+	if total, _, err := proc.Swap(); err == nil && total > 0 {
+		if r.Reclaimed != 3 || r.ReclaimedAgain != 3 || r.PageIns != 3 || r.PageInMiB <= 0 {
+			t.Errorf("paged out %d, then %d; %d wakes read back %.1f MiB each; want 3, 3, 3 and some", r.Reclaimed, r.ReclaimedAgain, r.PageIns, r.PageInMiB)
+		}
+		for name, s := range map[string]bench.Summary{"exec_reclaimed_ms": r.ExecReclaimed, "exec_reclaimed_again_ms": r.ExecReclaimedAgain} {
+			if s.N != 3 || s.P50 <= 0 {
+				t.Errorf("%s: %+v", name, s)
+			}
 		}
 	}
 	if out := c.ok("ls", "--json"); !strings.Contains(out, `"sandboxes": []`) {

@@ -30,11 +30,12 @@ const pagemapChunk = 8192
 // ResidentAnon returns the runs of resident anonymous pages in the private
 // mappings of the process named by id: the pages PageOut would send to
 // swap, in address order. Pages of the page cache (the process's files
-// and shared memory) are left out. Once the runs come to more than limit
-// bytes it stops and returns nil (limit 0: no bound). It fails with a
+// and shared memory) are left out. Once the runs come to more than
+// maxBytes bytes, or are more than maxRuns, it stops and returns nil (0:
+// no bound). It fails with a
 // NotFound-class error once the process has exited. Reading another
 // process's pagemap needs ptrace read access to it (root).
-func ResidentAnon(id Identity, limit uint64) ([]Span, error) {
+func ResidentAnon(id Identity, maxBytes uint64, maxRuns int) ([]Span, error) {
 	p, err := Open(id)
 	if err != nil {
 		return nil, err
@@ -61,7 +62,7 @@ func ResidentAnon(id Identity, limit uint64) ([]Span, error) {
 	var spans []Span
 	var total uint64
 	for _, m := range privateMappings(maps) {
-		for addr := m.start; addr < m.end; {
+		for addr := m.start; addr+page <= m.end; {
 			n := min((m.end-addr)/page, pagemapChunk)
 			got, err := f.ReadAt(buf[:8*n], int64(addr/page*8))
 			if err != nil && !errors.Is(err, io.EOF) {
@@ -76,18 +77,25 @@ func ResidentAnon(id Identity, limit uint64) ([]Span, error) {
 				if k := len(spans) - 1; k >= 0 && spans[k].Start+spans[k].Len == at {
 					spans[k].Len += page
 				} else {
+					if maxRuns > 0 && len(spans) == maxRuns {
+						return nil, nil
+					}
 					spans = append(spans, Span{at, page})
 				}
-				if total += page; limit > 0 && total > limit {
+				if total += page; maxBytes > 0 && total > maxBytes {
 					return nil, nil
 				}
 			}
 			if uint64(got) < 8*n {
-				// The mapping went away under us: on to the next.
-				break
+				// pagemap has an entry for every address below the
+				// top of the address space: the process has exited.
+				return nil, gone(fmt.Errorf("read pagemap of %d at %#x: short read", id.PID, addr))
 			}
 			addr += n * page
 		}
+	}
+	if exited(p.fd) {
+		return nil, errdefs.NotFound("process %d has exited", id.PID)
 	}
 	return spans, nil
 }
@@ -98,75 +106,99 @@ const pageInBuf = 256 << 10
 // PageIn brings the pages of spans back into the memory of the process
 // named by id, from swap where they went, by reading them
 // (process_vm_readv): the kernel faults them in for it, without the
-// process taking a fault on each, and what it read is thrown away. Spans
-// no longer mapped are passed over. It returns how many bytes it read. The
-// process need not run (a frozen one is fine); the caller needs ptrace
-// access to it (root). It fails with a NotFound-class error once the
-// process has exited.
+// process taking a fault on each, and what it read is thrown away. A page
+// it cannot read (no longer mapped, or not readable) is passed over. It
+// returns how many bytes it read. The process need not run (a frozen one
+// is fine: nothing it does then can make a read wait on it); the caller
+// needs ptrace access to it (root). It fails with a NotFound-class error
+// once the process has exited.
 func PageIn(id Identity, spans []Span) (int64, error) {
 	p, err := Open(id)
 	if err != nil {
 		return 0, err
 	}
 	defer p.Close()
+	page := uint64(os.Getpagesize())
 	buf := make([]byte, pageInBuf)
 	local := []unix.Iovec{{Base: &buf[0]}}
 	remote := make([]unix.RemoteIovec, 0, 64)
 	var read int64
-	// The next byte to read is off into spans[i].
-	i, off := 0, uint64(0)
-	for i < len(spans) {
-		// As many spans as fill buf, the last one cut where it is full.
-		remote = remote[:0]
+	c := spanCursor{spans: spans}
+	for !c.done() {
+		// process_vm_readv takes the pid: check between calls that it
+		// is still this process's.
+		if exited(p.fd) {
+			return read, errdefs.NotFound("process %d has exited", id.PID)
+		}
+		remote = c.next(remote[:0], len(buf))
 		size := 0
-		for j, o := i, off; j < len(spans) && size < len(buf); j, o = j+1, 0 {
-			n := min(spans[j].Len-o, uint64(len(buf)-size))
-			remote = append(remote, unix.RemoteIovec{Base: uintptr(spans[j].Start + o), Len: int(n)})
-			size += int(n)
+		for _, r := range remote {
+			size += r.Len
 		}
 		local[0].SetLen(size)
 		n, err := unix.ProcessVMReadv(id.PID, local, remote, 0)
 		switch {
 		case errors.Is(err, unix.ESRCH):
 			return read, errdefs.NotFound("process %d has exited", id.PID)
-		case errors.Is(err, unix.EFAULT) || err == nil && n == 0:
-			// The first span is not mapped (any more): skip it.
-			n = remote[0].Len
+		case errors.Is(err, unix.EFAULT):
+			n = 0
 		case err != nil:
 			return read, fmt.Errorf("page in %d: process_vm_readv: %w", id.PID, err)
-		default:
-			read += int64(n)
-			if n < size {
-				// It stopped before a span no longer mapped (it never
-				// splits one): skip that one too.
-				n = skipTo(remote, n)
-			}
 		}
-		for left := uint64(n); left > 0 && i < len(spans); {
-			if rest := spans[i].Len - off; left < rest {
-				off += left
-				left = 0
-			} else {
-				left -= rest
-				i, off = i+1, 0
-			}
+		read += int64(n)
+		c.advance(uint64(n))
+		if n < size {
+			// It stopped at a page it could not read: skip that page.
+			c.skipPage(page)
 		}
-	}
-	if exited(p.fd) {
-		return read, errdefs.NotFound("process %d has exited", id.PID)
 	}
 	return read, nil
 }
 
-// skipTo returns the offset, in the bytes of remote, of the end of the
-// iovec holding offset n: where a read that stopped at n goes on.
-func skipTo(remote []unix.RemoteIovec, n int) int {
-	end := 0
-	for _, r := range remote {
-		end += r.Len
-		if n < end {
-			return end
-		}
+// spanCursor walks the bytes of spans: the next one is off into spans[i].
+type spanCursor struct {
+	spans []Span
+	i     int
+	off   uint64
+}
+
+func (c *spanCursor) done() bool {
+	for c.i < len(c.spans) && c.off >= c.spans[c.i].Len {
+		c.i, c.off = c.i+1, 0
 	}
-	return end
+	return c.i >= len(c.spans)
+}
+
+// next appends to remote the iovecs of up to limit bytes from the
+// cursor, without moving it.
+func (c *spanCursor) next(remote []unix.RemoteIovec, limit int) []unix.RemoteIovec {
+	left := uint64(limit)
+	for j, o := c.i, c.off; j < len(c.spans) && left > 0; j, o = j+1, 0 {
+		if o >= c.spans[j].Len {
+			continue
+		}
+		n := min(c.spans[j].Len-o, left)
+		remote = append(remote, unix.RemoteIovec{Base: uintptr(c.spans[j].Start + o), Len: int(n)})
+		left -= n
+	}
+	return remote
+}
+
+// advance moves the cursor n bytes on.
+func (c *spanCursor) advance(n uint64) {
+	for n > 0 && !c.done() {
+		d := min(n, c.spans[c.i].Len-c.off)
+		c.off += d
+		n -= d
+	}
+}
+
+// skipPage moves the cursor to the start of the next page of the address
+// space.
+func (c *spanCursor) skipPage(page uint64) {
+	if c.done() {
+		return
+	}
+	addr := c.spans[c.i].Start + c.off
+	c.advance(page - addr%page)
 }

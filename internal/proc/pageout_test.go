@@ -90,7 +90,7 @@ func TestPageOut(t *testing.T) {
 		t.Fatal(err)
 	}
 	// What PageIn brings back below: the pages resident now.
-	hot, err := ResidentAnon(id, 0)
+	hot, err := ResidentAnon(id, 0, 0)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -100,10 +100,15 @@ type idleState struct {
 	gen                       uint64
 	tried, reclaimed, swapped bool
 	// hot is what the page-out during this freeze found resident, when
-	// it was not the first page-out of the sandbox: the pages its guest
-	// touched since the one before, which the wake reads back (nil:
-	// none known).
-	hot []proc.Span
+	// it was not the first page-out of the sandbox, for the wake to
+	// read back (nil: nothing). readBack is set when the last page-out
+	// left pages for the wake after it to read back: what is resident
+	// at the next one then includes all it read, used or not. learned
+	// is what was resident at the last page-out after a wake that did
+	// not read back (the pages the guest touched, no more), in bytes.
+	hot      []proc.Span
+	readBack bool
+	learned  uint64
 	// resync is set by a thaw: the next client of the sandbox tells the
 	// guest the time first.
 	resync bool
@@ -134,7 +139,7 @@ type idler struct {
 	// proc.PageOut, proc.ResidentAnon, proc.PageIn, the host's free
 	// swap and proc.CompactZramSwap; unit tests replace them.
 	pageOut  func(proc.Identity, func() bool) (int64, error)
-	resident func(proc.Identity, uint64) ([]proc.Span, error)
+	resident func(proc.Identity, uint64, int) ([]proc.Span, error)
 	pageIn   func(proc.Identity, []proc.Span) (int64, error)
 	swapFree func() (uint64, error)
 	compact  func() (int, int64, error)
@@ -489,7 +494,7 @@ func (e *Engine) thawAll() {
 		}
 		e.idle.mu.Lock()
 		if st := e.idle.m[id]; st != nil {
-			st.frozen = false
+			st.frozen, st.hot = false, nil
 		}
 		e.idle.mu.Unlock()
 		unlock()

@@ -19,7 +19,12 @@ import (
 // them for an exec), so from its second page-out on, the idle watch first
 // notes which pages of the VMM are resident: those its guest touched
 // since the page-out before. The next wake reads them back (proc.PageIn,
-// about 5 µs a page) before it thaws the VMM.
+// about 5 µs a page) before it thaws the VMM. What a read-back brought in
+// is resident at the next page-out whether the guest used it or not, and
+// nothing here tells which it used; so once the set has grown by more
+// than a quarter over the last one learned from a wake that faulted on
+// demand, the idle watch notes nothing for one wake, which faults on
+// demand again, and the page-out after it learns afresh.
 // Pages faulted back (and those of a paged-out sandbox that goes) leave
 // holes in zram's pool, which takes RAM until compacted: the idle watch
 // asks zram to compact its pools a while after such a wake or kill
@@ -42,9 +47,14 @@ const (
 	zramCompactEvery = 30 * time.Second
 )
 
-// wakePageInMax bounds what a wake reads back: a sandbox that touched
-// more since its last page-out faults its pages in as it needs them.
-const wakePageInMax = 64 << 20
+// wakePageInMax and wakePageInRuns bound what a wake reads back (and
+// what the idle watch keeps for it: 16 bytes a run): a sandbox that
+// touched more since its last page-out faults its pages in as it needs
+// them.
+const (
+	wakePageInMax  = 64 << 20
+	wakePageInRuns = 4096
+)
 
 // reclaimJob names a frozen sandbox to page out, during its gen'th
 // freeze.
@@ -102,9 +112,9 @@ func (e *Engine) reclaim(ctx context.Context, jobs []reclaimJob) {
 		e.idle.noSwap, e.idle.swapChecked = free < reclaimSwapFree, time.Now()
 		st := e.idle.m[j.id]
 		still := !e.idle.noSwap && st != nil && e.stillFrozen(j) && e.reclaimable(st, time.Now())
-		again := false
+		again, readBack, learned := false, false, uint64(0)
 		if still {
-			st.tried, again = true, st.swapped
+			st.tried, again, readBack, learned = true, st.swapped, st.readBack, st.learned
 		}
 		e.idle.mu.Unlock()
 		if warn {
@@ -121,10 +131,7 @@ func (e *Engine) reclaim(ctx context.Context, jobs []reclaimJob) {
 		// VMM resident, which tells nothing.
 		var hot []proc.Span
 		if again {
-			var err error
-			if hot, err = e.idle.resident(j.pid, wakePageInMax); err != nil && !errdefs.IsNotFound(err) {
-				e.log.Debug("idle watch: read resident pages", "sandbox", j.id, "err", err)
-			}
+			hot, learned = e.hotSet(j, readBack, learned)
 		}
 		moved, err := e.idle.pageOut(j.pid, func() bool {
 			e.idle.mu.Lock()
@@ -148,8 +155,9 @@ func (e *Engine) reclaim(ctx context.Context, jobs []reclaimJob) {
 		// Nothing moved: a cgroup that allows it no swap (cgroup v2 with
 		// a memory limit sets memory.swap.max 0), or nothing left to go.
 		if moved > 0 {
-			if e.stillFrozen(j) {
-				st.reclaimed, st.hot = true, hot
+			if e.idle.m[j.id] == st && e.stillFrozen(j) {
+				st.reclaimed, st.hot, st.learned = true, hot, learned
+				st.readBack = hot != nil
 			}
 			st.swapped = true
 			e.idle.stats.Reclaims++
@@ -180,6 +188,34 @@ func (e *Engine) compactZram() {
 	e.log.Debug("compacted zram", "freed_mib", freed>>20)
 }
 
+// hotSet returns the runs of j's VMM's resident anonymous pages, for its
+// next wake to read back, and what is learned of its working set (in
+// bytes): all of them after a wake that did not read back (readBack
+// false); nil, to learn afresh, once they have grown by more than a
+// quarter over learned since.
+func (e *Engine) hotSet(j reclaimJob, readBack bool, learned uint64) ([]proc.Span, uint64) {
+	spans, err := e.idle.resident(j.pid, wakePageInMax, wakePageInRuns)
+	if err != nil {
+		if !errdefs.IsNotFound(err) {
+			e.log.Warn("idle watch: read a VMM's resident pages", "sandbox", j.id, "err", err)
+		}
+		return nil, learned
+	}
+	var size uint64
+	for _, s := range spans {
+		size += s.Len
+	}
+	switch {
+	case spans == nil:
+		return nil, learned
+	case !readBack:
+		return spans, size
+	case size > learned+learned/4:
+		return nil, learned
+	}
+	return spans, learned
+}
+
 // pageInHot reads back the pages st's last page-out found resident, if
 // this freeze paged it out: its guest then runs without faulting on each.
 // A failure only costs the wake those faults. Called with id's lock in
@@ -195,14 +231,17 @@ func (e *Engine) pageInHot(id string, st *idleState) {
 	start := time.Now()
 	read, err := e.idle.pageIn(pid, hot)
 	took := time.Since(start)
+	switch {
+	case errdefs.IsNotFound(err):
+		return
+	case err != nil:
+		e.log.Warn("wake: read back a paged-out sandbox's pages", "sandbox", id, "err", err)
+		return
+	}
 	e.idle.mu.Lock()
 	e.idle.stats.PageIns++
 	e.idle.stats.PageInBytes += read
 	e.idle.stats.PageInSeconds += took.Seconds()
 	e.idle.mu.Unlock()
-	if err != nil && !errdefs.IsNotFound(err) {
-		e.log.Warn("wake: read back a paged-out sandbox's pages", "sandbox", id, "err", err)
-		return
-	}
 	e.log.Debug("sandbox paged in", "sandbox", id, "mib", read>>20, "ms", took.Milliseconds())
 }

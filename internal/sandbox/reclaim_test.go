@@ -173,64 +173,82 @@ func TestIdleZramCompact(t *testing.T) {
 
 // From a sandbox's second page-out on, the idle watch notes its VMM's
 // resident pages first, and the wake after that page-out reads them back,
-// once; a page-out a wake stopped keeps nothing for it. The page-outs and
-// the reads are fakes here (TestIdleFreezeVM wakes a real VMM from its
-// second and third page-outs; proc's tests read a real process back).
+// once; once the set has grown by more than a quarter over the last one
+// learned from a wake that faulted on demand, one wake faults on demand
+// again; a page-out a wake stopped keeps nothing for it. The page-outs
+// and the reads are fakes here (TestIdleFreezeVM wakes a real VMM from
+// its second and third page-outs; proc's tests read a real process back).
 func TestIdleWakePageIn(t *testing.T) {
 	e := fakeEngine(t)
-	spans := []proc.Span{{Start: 0x10000, Len: 8 << 20}}
+	mib := func(n uint64) []proc.Span { return []proc.Span{{Start: 0x10000, Len: n << 20}} }
+	spans := mib(8)
 	var resident, pagedIn int
-	var residentErr error
+	var residentErr, pageInErr error
 	e.idle.swapFree = func() (uint64, error) { return 1 << 30, nil }
 	pageOut := func(proc.Identity, func() bool) (int64, error) { return 30 << 20, nil }
 	e.idle.pageOut = func(id proc.Identity, keep func() bool) (int64, error) { return pageOut(id, keep) }
-	e.idle.resident = func(_ proc.Identity, limit uint64) ([]proc.Span, error) {
+	e.idle.resident = func(_ proc.Identity, maxBytes uint64, maxRuns int) ([]proc.Span, error) {
 		resident++
-		if limit != wakePageInMax {
-			t.Errorf("resident pages read with limit %d, want %d", limit, wakePageInMax)
+		if maxBytes != wakePageInMax || maxRuns != wakePageInRuns {
+			t.Errorf("resident pages read with bounds %d bytes, %d runs; want %d, %d", maxBytes, maxRuns, wakePageInMax, wakePageInRuns)
 		}
 		return spans, residentErr
 	}
-	e.idle.pageIn = func(_ proc.Identity, got []proc.Span) (int64, error) {
+	var got []proc.Span
+	e.idle.pageIn = func(_ proc.Identity, hot []proc.Span) (int64, error) {
 		pagedIn++
-		if fmt.Sprint(got) != fmt.Sprint(spans) {
-			t.Errorf("read back %v, want %v", got, spans)
-		}
-		return 8 << 20, nil
+		got = hot
+		return int64(hot[0].Len), pageInErr
 	}
 	e.SetIdleReclaim(time.Minute)
 	st := &idleState{frozen: true, frozenAt: time.Now().Add(-2 * time.Minute), gen: 1, slot: -1, pid: proc.Identity{PID: 1, StartTime: 1}}
 	e.idle.m["a"] = st
 	// cycle freezes st anew (the gen'th freeze), ticks the idle watch
-	// once and wakes it: it returns how often the resident pages were
-	// read and how often read back.
-	cycle := func(gen uint64) (int, int) {
+	// once and wakes it twice (the second wake reads nothing): it checks
+	// how often the resident pages were read and how often read back.
+	cycle := func(gen uint64, wantResident, wantPagedIn int) {
 		t.Helper()
-		resident, pagedIn = 0, 0
+		resident, pagedIn, got = 0, 0, nil
 		st.frozen, st.gen, st.tried, st.reclaimed, st.hot = true, gen, false, false, nil
 		var wg sync.WaitGroup
 		e.idleTick(context.Background(), &wg)
 		wg.Wait()
 		e.pageInHot("a", st)
-		e.pageInHot("a", st) // a second wake reads nothing
-		return resident, pagedIn
+		e.pageInHot("a", st)
+		if resident != wantResident || pagedIn != wantPagedIn {
+			t.Fatalf("page-out %d: resident pages read %d times, read back %d; want %d and %d", gen, resident, pagedIn, wantResident, wantPagedIn)
+		}
+		if pagedIn > 0 && fmt.Sprint(got) != fmt.Sprint(spans) {
+			t.Fatalf("page-out %d: read back %v, want %v", gen, got, spans)
+		}
 	}
-	if r, p := cycle(1); r != 0 || p != 0 {
-		t.Fatalf("first page-out: resident pages read %d times, read back %d, want neither", r, p)
-	}
-	if r, p := cycle(2); r != 1 || p != 1 {
-		t.Fatalf("second page-out: resident pages read %d times, read back %d, want once each", r, p)
-	}
+	cycle(1, 0, 0) // the first: nothing known
+	cycle(2, 1, 1) // learns 8 MiB
 	if s := e.FreezeStats(); s.PageIns != 1 || s.PageInBytes != 8<<20 || s.PageInSeconds <= 0 {
 		t.Fatalf("stats %+v after one wake that read back", s)
 	}
+	spans = mib(10) // what it read, and a little more: kept
+	cycle(3, 1, 1)
+	spans = mib(11) // more than a quarter over 8 MiB: learn afresh
+	cycle(4, 1, 0)
+	cycle(5, 1, 1) // learned 11 MiB
+	spans = mib(13)
+	cycle(6, 1, 1)
+	// A page-out a wake stopped keeps nothing.
 	pageOut = func(proc.Identity, func() bool) (int64, error) { return 0, proc.ErrStopped }
-	if r, p := cycle(3); r != 1 || p != 0 {
-		t.Fatalf("page-out a wake stopped: resident pages read %d times, read back %d, want once and never", r, p)
-	}
+	cycle(7, 1, 0)
 	pageOut = func(proc.Identity, func() bool) (int64, error) { return 30 << 20, nil }
-	residentErr, spans = errors.New("read pagemap: boom"), nil
-	if r, p := cycle(4); r != 1 || p != 0 || !st.reclaimed {
-		t.Fatalf("resident pages unreadable: read %d times, read back %d, reclaimed %v; want once, never, paged out all the same", r, p, st.reclaimed)
+	// A read-back that fails is not counted.
+	pageInErr = errors.New("process_vm_readv: boom")
+	before := e.FreezeStats().PageIns
+	cycle(8, 1, 1)
+	if s := e.FreezeStats(); s.PageIns != before {
+		t.Fatalf("stats %+v after a failed read-back, want %d page-ins", s, before)
+	}
+	// Resident pages that cannot be read: paged out all the same.
+	pageInErr, residentErr, spans = nil, errors.New("read pagemap: boom"), nil
+	cycle(9, 1, 0)
+	if !st.reclaimed {
+		t.Fatal("not paged out when its resident pages could not be read")
 	}
 }

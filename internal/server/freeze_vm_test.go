@@ -229,22 +229,24 @@ func TestIdleFreezeVM(t *testing.T) {
 		d.e.SetIdleReclaim(time.Second)
 		defer d.e.SetIdleReclaim(0)
 		// paged waits until the daemon froze the child and paged its VMM
-		// out: a warmed python guest's VMM holds some tens of MiB of its
-		// own, of which the last wake brought back some; at least 8 MiB
-		// more than before must be in swap.
+		// out, to the end (a wake during a page-out stops it): a warmed
+		// python guest's VMM holds some tens of MiB of its own, of which
+		// the last wake brought back some; at least 8 MiB more than
+		// before must be in swap.
 		paged := func(t *testing.T) {
 			t.Helper()
 			before, err := proc.SwapBytes(s.PID)
 			if err != nil {
 				t.Fatal(err)
 			}
+			reclaims := d.e.FreezeStats().Reclaims
 			frozen(t, id)
 			for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(100 * time.Millisecond) {
 				swapped, err := proc.SwapBytes(s.PID)
 				if err != nil {
 					t.Fatal(err)
 				}
-				if swapped >= before+8<<20 {
+				if swapped >= before+8<<20 && d.e.FreezeStats().Reclaims > reclaims {
 					t.Logf("VMM %d: %d MiB in swap, %d MiB before", s.PID, swapped>>20, before>>20)
 					return
 				}
@@ -277,10 +279,11 @@ func TestIdleFreezeVM(t *testing.T) {
 			}
 			return err
 		})
-		// The second and third page-outs noted what the wake before
-		// had brought back, and the wakes after them read it back
-		// first: over a MiB each.
-		if st := d.e.FreezeStats(); st.Reclaims-before < 3 || st.SwappedBytes <= 0 || st.PageIns-pageIns < 2 || st.PageInBytes < 2<<20 {
+		// The second page-out noted what the wake before had brought
+		// back, and the wake after it read that back first: over a
+		// MiB. (The third reads back too unless the eval's pages grew
+		// the set by more than a quarter.)
+		if st := d.e.FreezeStats(); st.Reclaims-before < 3 || st.SwappedBytes <= 0 || st.PageIns-pageIns < 1 || st.PageInBytes < 1<<20 {
 			t.Errorf("freeze stats %+v after three page-outs", st)
 		}
 		// What the wakes brought back left holes in zram's pool, which

@@ -10,8 +10,6 @@ import (
 	"strconv"
 
 	"golang.org/x/sys/unix"
-
-	"github.com/forkd/forkd/internal/errdefs"
 )
 
 // Span is a run of whole pages in a process's address space: Len bytes
@@ -41,20 +39,14 @@ func ResidentAnon(id Identity, maxBytes uint64, maxRuns int) ([]Span, error) {
 		return nil, err
 	}
 	defer p.Close()
-	gone := func(err error) error {
-		if exited(p.fd) {
-			return errdefs.NotFound("process %d has exited", id.PID)
-		}
-		return err
-	}
 	dir := filepath.Join(Root, strconv.Itoa(id.PID))
 	maps, err := os.ReadFile(filepath.Join(dir, "maps"))
 	if err != nil {
-		return nil, gone(err)
+		return nil, p.gone(err)
 	}
 	f, err := os.Open(filepath.Join(dir, "pagemap"))
 	if err != nil {
-		return nil, gone(err)
+		return nil, p.gone(err)
 	}
 	defer f.Close()
 	page := uint64(os.Getpagesize())
@@ -66,7 +58,7 @@ func ResidentAnon(id Identity, maxBytes uint64, maxRuns int) ([]Span, error) {
 			n := min((m.end-addr)/page, pagemapChunk)
 			got, err := f.ReadAt(buf[:8*n], int64(addr/page*8))
 			if err != nil && !errors.Is(err, io.EOF) {
-				return nil, gone(fmt.Errorf("read pagemap of %d at %#x: %w", id.PID, addr, err))
+				return nil, p.gone(fmt.Errorf("read pagemap of %d at %#x: %w", id.PID, addr, err))
 			}
 			for i := range uint64(got / 8) {
 				e := binary.NativeEndian.Uint64(buf[8*i:])
@@ -89,13 +81,13 @@ func ResidentAnon(id Identity, maxBytes uint64, maxRuns int) ([]Span, error) {
 			if uint64(got) < 8*n {
 				// pagemap has an entry for every address below the
 				// top of the address space: the process has exited.
-				return nil, gone(fmt.Errorf("read pagemap of %d at %#x: short read", id.PID, addr))
+				return nil, p.gone(fmt.Errorf("read pagemap of %d at %#x: short read", id.PID, addr))
 			}
 			addr += n * page
 		}
 	}
 	if exited(p.fd) {
-		return nil, errdefs.NotFound("process %d has exited", id.PID)
+		return nil, errExited(id.PID)
 	}
 	return spans, nil
 }
@@ -128,7 +120,7 @@ func PageIn(id Identity, spans []Span) (int64, error) {
 		// process_vm_readv takes the pid: check between calls that it
 		// is still this process's.
 		if exited(p.fd) {
-			return read, errdefs.NotFound("process %d has exited", id.PID)
+			return read, errExited(id.PID)
 		}
 		remote = c.next(remote[:0], len(buf))
 		size := 0
@@ -139,7 +131,7 @@ func PageIn(id Identity, spans []Span) (int64, error) {
 		n, err := unix.ProcessVMReadv(id.PID, local, remote, 0)
 		switch {
 		case errors.Is(err, unix.ESRCH):
-			return read, errdefs.NotFound("process %d has exited", id.PID)
+			return read, errExited(id.PID)
 		case errors.Is(err, unix.EFAULT):
 			n = 0
 		case err != nil:

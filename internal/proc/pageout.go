@@ -11,8 +11,6 @@ import (
 	"unsafe"
 
 	"golang.org/x/sys/unix"
-
-	"github.com/forkd/forkd/internal/errdefs"
 )
 
 // ErrStopped is PageOut's error when its keep function said stop.
@@ -43,22 +41,16 @@ func PageOut(id Identity, keep func() bool) (moved int64, err error) {
 		return 0, err
 	}
 	defer p.Close()
-	gone := func(err error) error {
-		if exited(p.fd) {
-			return errdefs.NotFound("process %d has exited", id.PID)
-		}
-		return err
-	}
 	// Read through the pid: the start time checked by Open says these
 	// are the process's until it exits, and then the pidfd calls below
 	// fail with ESRCH.
 	before, err := SwapBytes(id.PID)
 	if err != nil {
-		return 0, gone(err)
+		return 0, p.gone(err)
 	}
 	maps, err := os.ReadFile(filepath.Join(Root, strconv.Itoa(id.PID), "maps"))
 	if err != nil {
-		return 0, gone(err)
+		return 0, p.gone(err)
 	}
 	var errs []error
 	for _, m := range privateMappings(maps) {
@@ -83,7 +75,7 @@ func PageOut(id Identity, keep func() bool) (moved int64, err error) {
 				// (locked, PFN maps); ENOMEM: unmapped since maps was
 				// read.
 			case unix.ESRCH:
-				return 0, errdefs.NotFound("process %d has exited", id.PID)
+				return 0, errExited(id.PID)
 			case unix.ENOSYS, unix.EPERM, unix.EACCES:
 				return 0, fmt.Errorf("page out %d: process_madvise: %w", id.PID, e)
 			default:
@@ -100,7 +92,7 @@ func PageOut(id Identity, keep func() bool) (moved int64, err error) {
 	}
 	after, err := SwapBytes(id.PID)
 	if err != nil {
-		return 0, gone(err)
+		return 0, p.gone(err)
 	}
 	return max(after-before, 0), nil
 }

@@ -59,7 +59,7 @@ func CPUTime(id Identity) (time.Duration, error) {
 		return 0, err
 	}
 	if st, err := strconv.ParseUint(string(f[22-3]), 10, 64); err != nil || st != id.StartTime {
-		return 0, errdefs.NotFound("process %d has exited", id.PID)
+		return 0, errExited(id.PID)
 	}
 	// utime and stime are fields 14 and 15.
 	u, err1 := strconv.ParseUint(string(f[14-3]), 10, 64)
@@ -131,7 +131,7 @@ func Open(id Identity) (*Process, error) {
 	fd, err := unix.PidfdOpen(id.PID, 0)
 	if err != nil {
 		if errors.Is(err, unix.ESRCH) {
-			return nil, errdefs.NotFound("process %d has exited", id.PID)
+			return nil, errExited(id.PID)
 		}
 		return nil, fmt.Errorf("pidfd_open %d: %w", id.PID, err)
 	}
@@ -139,11 +139,11 @@ func Open(id Identity) (*Process, error) {
 	st, err := StartTime(id.PID)
 	if err != nil || st != id.StartTime {
 		unix.Close(fd)
-		return nil, errdefs.NotFound("process %d has exited", id.PID)
+		return nil, errExited(id.PID)
 	}
 	if exited(fd) {
 		unix.Close(fd)
-		return nil, errdefs.NotFound("process %d has exited", id.PID)
+		return nil, errExited(id.PID)
 	}
 	return &Process{id: id, fd: fd}, nil
 }
@@ -192,6 +192,19 @@ func (p *Process) Wait(ctx context.Context) error {
 
 // Close releases the handle.
 func (p *Process) Close() error { return unix.Close(p.fd) }
+
+// errExited is the NotFound-class error of an operation on process pid
+// once it has exited.
+func errExited(pid int) error { return errdefs.NotFound("process %d has exited", pid) }
+
+// gone returns err, or errExited if the process has exited meanwhile (and
+// so caused err).
+func (p *Process) gone(err error) error {
+	if exited(p.fd) {
+		return errExited(p.id.PID)
+	}
+	return err
+}
 
 // exited reports whether the pidfd is readable, which it becomes when the
 // process exits (zombies included).

@@ -122,11 +122,8 @@ func PageIn(id Identity, spans []Span) (int64, error) {
 		if exited(p.fd) {
 			return read, errExited(id.PID)
 		}
-		remote = c.next(remote[:0], len(buf))
-		size := 0
-		for _, r := range remote {
-			size += r.Len
-		}
+		var size int
+		remote, size = c.next(remote[:0], len(buf))
 		local[0].SetLen(size)
 		n, err := unix.ProcessVMReadv(id.PID, local, remote, 0)
 		switch {
@@ -162,18 +159,18 @@ func (c *spanCursor) done() bool {
 }
 
 // next appends to remote the iovecs of up to limit bytes from the
-// cursor, without moving it.
-func (c *spanCursor) next(remote []unix.RemoteIovec, limit int) []unix.RemoteIovec {
-	left := uint64(limit)
-	for j, o := c.i, c.off; j < len(c.spans) && left > 0; j, o = j+1, 0 {
+// cursor, without moving it, and returns them and their size.
+func (c *spanCursor) next(remote []unix.RemoteIovec, limit int) ([]unix.RemoteIovec, int) {
+	size := 0
+	for j, o := c.i, c.off; j < len(c.spans) && size < limit; j, o = j+1, 0 {
 		if o >= c.spans[j].Len {
 			continue
 		}
-		n := min(c.spans[j].Len-o, left)
-		remote = append(remote, unix.RemoteIovec{Base: uintptr(c.spans[j].Start + o), Len: int(n)})
-		left -= n
+		n := int(min(c.spans[j].Len-o, uint64(limit-size)))
+		remote = append(remote, unix.RemoteIovec{Base: uintptr(c.spans[j].Start + o), Len: n})
+		size += n
 	}
-	return remote
+	return remote, size
 }
 
 // advance moves the cursor n bytes on.

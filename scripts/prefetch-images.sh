@@ -5,7 +5,7 @@
 # the background while vet, lint and the unit tier compile: on a fresh
 # machine the kernel download and two debootstraps take ~5 minutes, mostly
 # waiting on the mirror and dpkg. With a warm cache each image costs one
-# parent boot (~9 s). Best effort: what it could not build the VM tests
+# parent boot (6-24 s here, 41 s for the three). Best effort: what it could not build the VM tests
 # build (or fail on) themselves, and its exit status says whether it all
 # went. Needs root and bin/forkd (make build).
 set -u

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"os"
 	"os/exec"
@@ -27,9 +28,78 @@ func testCacheDir(t *testing.T) string {
 		if err := os.MkdirAll(dir, 0o755); err != nil {
 			t.Fatal(err)
 		}
+		seedOnce.Do(func() { seedCache(t, dir, filepath.Join(d, "image")) })
 		return dir
 	}
 	return t.TempDir()
+}
+
+var seedOnce sync.Once
+
+// seedCache copies into the image tests' cache dst what the VM tiers'
+// cache src holds, and dst not, of what these tests fetch or debootstrap:
+// the kernel, busybox and python's root filesystem. On a fresh machine
+// scripts/prefetch-images.sh built those in src minutes before; building
+// them again here took this package 290 s of CI instead of ~70. Best
+// effort: a copy is staged and renamed into place, and an entry that did
+// not copy whole (src changed meanwhile) is one the builder finds invalid
+// and builds.
+func seedCache(t *testing.T, dst, src string) {
+	registryMu.Lock()
+	py, ok := registry["python"]
+	registryMu.Unlock()
+	if !ok || py.Rootfs == nil {
+		return
+	}
+	key, _, _ := (&Builder{CacheDir: dst}).debootstrapKey(*py.Rootfs)
+	want := map[string][]string{kindRootfs: {key}}
+	for _, kind := range []string{kindKernel, kindBusybox} {
+		ents, _ := os.ReadDir(filepath.Join(src, kind))
+		for _, e := range ents {
+			if e.IsDir() && !strings.HasPrefix(e.Name(), ".") {
+				want[kind] = append(want[kind], e.Name())
+			}
+		}
+	}
+	for kind, names := range want {
+		for _, name := range names {
+			from, to := filepath.Join(src, kind, name), filepath.Join(dst, kind, name)
+			if _, err := os.Stat(from); err != nil {
+				continue
+			}
+			if _, err := os.Lstat(to); err == nil {
+				continue
+			}
+			if err := copyEntry(from, to); err != nil {
+				t.Logf("seed the image tests' cache: %v", err)
+				continue
+			}
+			t.Logf("seeded the image tests' cache with %s/%s", kind, name)
+		}
+	}
+}
+
+// copyEntry copies the cache entry from to to, by way of a staging
+// directory the builder removes if it is left behind.
+func copyEntry(from, to string) error {
+	parent := filepath.Dir(to)
+	if err := os.MkdirAll(parent, 0o755); err != nil {
+		return err
+	}
+	staging, err := os.MkdirTemp(parent, ".staging-"+filepath.Base(to)+"-")
+	if err != nil {
+		return err
+	}
+	if out, err := exec.Command("cp", "-a", "--sparse=always", from+"/.", staging).CombinedOutput(); err != nil {
+		return errors.Join(fmt.Errorf("cp %s: %v: %s", from, err, out), os.RemoveAll(staging))
+	}
+	if err := os.Chmod(staging, 0o755); err != nil {
+		return errors.Join(err, os.RemoveAll(staging))
+	}
+	if err := os.Rename(staging, to); err != nil {
+		return errors.Join(err, os.RemoveAll(staging))
+	}
+	return nil
 }
 
 var (

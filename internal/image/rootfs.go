@@ -122,21 +122,28 @@ func (b *Builder) ensureRootfs(ctx context.Context, key string,
 	return &rootfsEntry{dir: dir, info: info}, nil
 }
 
-// ensureDebootstrapRootfs builds (or finds) the root filesystem of a
-// debootstrap recipe. Its key is the hash of suite, mirror, variant,
-// components, packages and builderVersion.
-func (b *Builder) ensureDebootstrapRootfs(ctx context.Context, s RootfsSpec) (*rootfsEntry, error) {
-	d := b.hostDistro()
+// debootstrapKey returns the cache key of s's root filesystem, with the
+// distribution and the sorted packages it is built from.
+func (b *Builder) debootstrapKey(s RootfsSpec) (key string, d distro, pkgs []string) {
+	d = b.hostDistro()
 	if s.Suite != "" {
 		d.suite = s.Suite
 	}
 	if s.Mirror != "" {
 		d.mirror = s.Mirror
 	}
-	pkgs := slices.Clone(s.Packages)
+	pkgs = slices.Clone(s.Packages)
 	sort.Strings(pkgs)
-	key := hashKey(builderVersion, "debootstrap", d.suite, d.mirror, s.Variant,
+	key = hashKey(builderVersion, "debootstrap", d.suite, d.mirror, s.Variant,
 		strings.Join(d.components, ","), strings.Join(pkgs, ","), "user="+GuestUser.Name)
+	return key, d, pkgs
+}
+
+// ensureDebootstrapRootfs builds (or finds) the root filesystem of a
+// debootstrap recipe. Its key is the hash of suite, mirror, variant,
+// components, packages and builderVersion.
+func (b *Builder) ensureDebootstrapRootfs(ctx context.Context, s RootfsSpec) (*rootfsEntry, error) {
+	key, d, pkgs := b.debootstrapKey(s)
 	return b.ensureRootfs(ctx, key, func(ctx context.Context, tree string, m *rootfsInfo) error {
 		start := time.Now()
 		b.progressf(ctx, "rootfs: debootstrap %s %s from %s with %s (takes minutes)", s.Variant, d.suite, d.mirror, strings.Join(pkgs, ","))

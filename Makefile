@@ -63,19 +63,19 @@ fuzz:
 		$(GO) test -run=^$$ -fuzz=$$f -fuzztime=150000x -fuzzminimizetime=2s -timeout=10m ./internal/vmm/qemu || exit 1; \
 	done
 
-# Everything CI runs: vet, format, lint, the unit tier under -race, then
-# every tier (vm), then a bounded fuzz run. The images the vm tier boots
+# Everything CI runs: vet, format, lint, the unit tier under -race, a
+# bounded fuzz run, then every tier (vm). The images the vm tier boots
 # are built meanwhile (scripts/prefetch-images.sh, its log in the test
 # cache): on a fresh machine their downloads and dpkg runs then overlap
-# the compiles of vet, lint and unit instead of coming after them.
+# the compiles of vet, lint, unit and fuzz instead of coming after them.
 PREFETCH_LOG = $(FORKD_TEST_CACHE)/prefetch-images.log
 test: deps build
 	@mkdir -p $(FORKD_TEST_CACHE); \
 	FORKD_TEST_CACHE=$(FORKD_TEST_CACHE) scripts/prefetch-images.sh >$(PREFETCH_LOG) 2>&1 & p=$$!; \
-	$(MAKE) --no-print-directory vet fmt-check lint unit; r=$$?; \
+	$(MAKE) --no-print-directory vet fmt-check lint unit fuzz; r=$$?; \
 	if [ $$r != 0 ]; then kill $$p; wait $$p; exit $$r; fi; \
 	wait $$p || echo "prefetch-images failed (the vm tier builds what is missing):"; cat $(PREFETCH_LOG)
-	$(MAKE) --no-print-directory vm fuzz
+	$(MAKE) --no-print-directory vm
 
 clean:
 	rm -rf bin

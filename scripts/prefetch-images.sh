@@ -2,7 +2,7 @@
 # Builds the images the VM tests boot (minimal, python, code-interpreter)
 # into their shared cache ($FORKD_TEST_CACHE/image) by snapshotting each
 # once in a scratch data dir that it removes after. `make test` runs it in
-# the background while vet, lint and the unit tier compile: on a fresh
+# the background while vet, lint, the unit tier and fuzz compile: on a fresh
 # machine the kernel download and two debootstraps take ~5 minutes, mostly
 # waiting on the mirror and dpkg. With a warm cache each image costs one
 # parent boot (6-24 s here, 41 s for the three). Best effort: what it could not build the VM tests

@@ -157,8 +157,34 @@ type ScaleResult struct {
 	PageInMiB                float64      `json:"page_in_mib,omitempty"`
 	PageInMS                 float64      `json:"page_in_ms,omitempty"`
 	AfterWakeAgainMemory     *ChildMemory `json:"after_wake_again_memory,omitempty"`
+	// Then a third time (nil if nothing was paged out): the idle watch
+	// keeps what it learned unless a child's resident set outgrew it by
+	// more than a quarter, and then learns afresh from a wake that reads
+	// nothing back (ReclaimRound.Relearned).
+	ReclaimedThird *ReclaimRound `json:"reclaimed_third,omitempty"`
 
 	KillAllMS float64 `json:"kill_all_ms"`
+}
+
+// ReclaimRound is one reclaim phase after the first: every child paged
+// out (Reclaimed of them, in AllReclaimedMS) and its memory then, an exec
+// in each, woken from paged out, and the memory after it. PageIns of
+// those wakes read back what the wake before them touched, PageInMiB in
+// PageInMS each (means); Relearned children were paged out and their
+// wakes read nothing back: the idle watch was learning their working set
+// afresh.
+type ReclaimRound struct {
+	AllReclaimedMS  float64      `json:"all_reclaimed_ms"`
+	Reclaimed       int          `json:"reclaimed"`
+	Memory          *ChildMemory `json:"memory,omitempty"`
+	Exec            Summary      `json:"exec_ms"`
+	ExecAwake       Summary      `json:"exec_awake_ms"`
+	MeanWakeMS      float64      `json:"mean_wake_ms,omitempty"`
+	PageIns         int64        `json:"page_ins"`
+	PageInMiB       float64      `json:"page_in_mib,omitempty"`
+	PageInMS        float64      `json:"page_in_ms,omitempty"`
+	Relearned       int          `json:"relearned"`
+	AfterWakeMemory *ChildMemory `json:"after_wake_memory,omitempty"`
 }
 
 // ChildMemory is what the children's VMMs hold, per child.
@@ -388,8 +414,8 @@ func scaleFrozen(ctx context.Context, e *sandbox.Engine, ids []string, pids []in
 // it has paged every child out, and turns it off; it measures their
 // memory, times an exec in each (woken from paged out), measures their
 // memory again, then times an exec in each woken from frozen once more
-// and measures their memory; then all of that once more, from a second
-// page-out.
+// and measures their memory; then pages them out, measures, times an exec
+// in each and measures again twice more (reclaimRound).
 func scaleReclaimed(ctx context.Context, e *sandbox.Engine, ids []string, pids []int, d time.Duration, r *ScaleResult, say func(string, ...any)) error {
 	if d <= 0 {
 		return nil
@@ -428,25 +454,48 @@ func scaleReclaimed(ctx context.Context, e *sandbox.Engine, ids []string, pids [
 	}
 
 	say("waiting for the idle watch to page them out a second time")
-	if r.AllReclaimedAgainMS, r.ReclaimedAgain = pageOutAll(e, len(ids), d); r.ReclaimedAgain == 0 {
-		say("nothing was paged out the second time (the daemon's log says why)")
-		return nil
-	}
-	if r.ReclaimedAgainMemory, err = childMemory(pids); err != nil {
+	again, failed, err := reclaimRound(ctx, e, ids, pids, d, "second", say)
+	r.ExecFailed += failed
+	if again == nil || err != nil {
 		return err
 	}
-	say("exec in each child, woken from its second page-out")
-	before := e.FreezeStats()
-	r.ExecReclaimedAgain, r.ExecAwakeReclaimedAgain, r.MeanWakeReclaimedAgainMS, failed = execEach(ctx, e, ids, say)
+	r.AllReclaimedAgainMS, r.ReclaimedAgain, r.ReclaimedAgainMemory = again.AllReclaimedMS, again.Reclaimed, again.Memory
+	r.ExecReclaimedAgain, r.ExecAwakeReclaimedAgain, r.MeanWakeReclaimedAgainMS = again.Exec, again.ExecAwake, again.MeanWakeMS
+	r.PageIns, r.PageInMiB, r.PageInMS, r.AfterWakeAgainMemory = again.PageIns, again.PageInMiB, again.PageInMS, again.AfterWakeMemory
+
+	say("waiting for the idle watch to page them out a third time")
+	r.ReclaimedThird, failed, err = reclaimRound(ctx, e, ids, pids, d, "third", say)
 	r.ExecFailed += failed
-	after := e.FreezeStats()
-	if r.PageIns = after.PageIns - before.PageIns; r.PageIns > 0 {
-		n := float64(r.PageIns)
-		r.PageInMiB = float64(after.PageInBytes-before.PageInBytes) / (1 << 20) / n
-		r.PageInMS = 1000 * (after.PageInSeconds - before.PageInSeconds) / n
-	}
-	r.AfterWakeAgainMemory, err = childMemory(pids)
 	return err
+}
+
+// reclaimRound pages every child out once more (the nth time), measures
+// their memory, times an exec in each, woken from paged out, and measures
+// their memory again. It returns nil if nothing was paged out, and how
+// many execs failed.
+func reclaimRound(ctx context.Context, e *sandbox.Engine, ids []string, pids []int, d time.Duration, nth string, say func(string, ...any)) (*ReclaimRound, int, error) {
+	var rr ReclaimRound
+	if rr.AllReclaimedMS, rr.Reclaimed = pageOutAll(e, len(ids), d); rr.Reclaimed == 0 {
+		say("nothing was paged out the %s time (the daemon's log says why)", nth)
+		return nil, 0, nil
+	}
+	var err error
+	if rr.Memory, err = childMemory(pids); err != nil {
+		return nil, 0, err
+	}
+	say("exec in each child, woken from its %s page-out", nth)
+	before := e.FreezeStats()
+	var failed int
+	rr.Exec, rr.ExecAwake, rr.MeanWakeMS, failed = execEach(ctx, e, ids, say)
+	after := e.FreezeStats()
+	if rr.PageIns = after.PageIns - before.PageIns; rr.PageIns > 0 {
+		n := float64(rr.PageIns)
+		rr.PageInMiB = float64(after.PageInBytes-before.PageInBytes) / (1 << 20) / n
+		rr.PageInMS = 1000 * (after.PageInSeconds - before.PageInSeconds) / n
+	}
+	rr.Relearned = max(rr.Reclaimed-int(rr.PageIns), 0)
+	rr.AfterWakeMemory, err = childMemory(pids)
+	return &rr, failed, err
 }
 
 // pageOutAll waits until the idle watch has frozen n sandboxes, turns its

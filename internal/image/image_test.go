@@ -15,6 +15,7 @@ import (
 	"testing"
 
 	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/fsutil"
 	"github.com/forkd/forkd/internal/testutil"
 )
 
@@ -70,7 +71,7 @@ func seedCache(t *testing.T, dst, src string) {
 			if _, err := os.Lstat(to); err == nil {
 				continue
 			}
-			if err := copyEntry(from, to); err != nil {
+			if err := copyEntry(dst, kind, from, to); err != nil {
 				t.Logf("seed the image tests' cache: %v", err)
 				continue
 			}
@@ -79,9 +80,18 @@ func seedCache(t *testing.T, dst, src string) {
 	}
 }
 
-// copyEntry copies the cache entry from to to, by way of a staging
-// directory the builder removes if it is left behind.
-func copyEntry(from, to string) error {
+// copyEntry copies the cache entry from to to, in dst's cache, under
+// the builder's lock on it, by way of a staging directory the builder
+// removes if it is left behind.
+func copyEntry(dst, kind, from, to string) error {
+	unlock, err := (&Builder{CacheDir: dst}).lock(context.Background(), kind, filepath.Base(to))
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	if _, err := os.Lstat(to); err == nil {
+		return nil // a builder made it meanwhile
+	}
 	parent := filepath.Dir(to)
 	if err := os.MkdirAll(parent, 0o755); err != nil {
 		return err
@@ -93,13 +103,16 @@ func copyEntry(from, to string) error {
 	if out, err := exec.Command("cp", "-a", "--sparse=always", from+"/.", staging).CombinedOutput(); err != nil {
 		return errors.Join(fmt.Errorf("cp %s: %v: %s", from, err, out), os.RemoveAll(staging))
 	}
+	if err := fsutil.SyncDir(staging); err != nil {
+		return errors.Join(err, os.RemoveAll(staging))
+	}
 	if err := os.Chmod(staging, 0o755); err != nil {
 		return errors.Join(err, os.RemoveAll(staging))
 	}
 	if err := os.Rename(staging, to); err != nil {
 		return errors.Join(err, os.RemoveAll(staging))
 	}
-	return nil
+	return fsutil.SyncDir(parent)
 }
 
 var (

@@ -322,7 +322,8 @@ func TestBenchScaleJSON(t *testing.T) {
 		if third == nil {
 			third = &bench.ReclaimRound{}
 		}
-		if third.Reclaimed != 3 || third.PageIns+int64(third.Relearned) != 3 || third.Memory == nil || third.AfterWakeMemory == nil {
+		if third.Reclaimed != 3 || third.PageIns+int64(third.Relearned) != 3 || third.PageIns == 0 || third.PageInMiB <= 0 ||
+			third.Memory == nil || third.AfterWakeMemory == nil {
 			t.Errorf("third page-out: %+v", r.ReclaimedThird)
 		}
 		for name, s := range map[string]bench.Summary{"exec_reclaimed_ms": r.ExecReclaimed, "exec_reclaimed_again_ms": r.ExecReclaimedAgain,

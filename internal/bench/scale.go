@@ -456,28 +456,34 @@ func scaleReclaimed(ctx context.Context, e *sandbox.Engine, ids []string, pids [
 	say("waiting for the idle watch to page them out a second time")
 	again, failed, err := reclaimRound(ctx, e, ids, pids, d, "second", say)
 	r.ExecFailed += failed
-	if again == nil || err != nil {
+	if err != nil {
 		return err
 	}
-	r.AllReclaimedAgainMS, r.ReclaimedAgain, r.ReclaimedAgainMemory = again.AllReclaimedMS, again.Reclaimed, again.Memory
+	if r.AllReclaimedAgainMS, r.ReclaimedAgain = again.AllReclaimedMS, again.Reclaimed; again.Reclaimed == 0 {
+		return nil
+	}
+	r.ReclaimedAgainMemory = again.Memory
 	r.ExecReclaimedAgain, r.ExecAwakeReclaimedAgain, r.MeanWakeReclaimedAgainMS = again.Exec, again.ExecAwake, again.MeanWakeMS
 	r.PageIns, r.PageInMiB, r.PageInMS, r.AfterWakeAgainMemory = again.PageIns, again.PageInMiB, again.PageInMS, again.AfterWakeMemory
 
 	say("waiting for the idle watch to page them out a third time")
-	r.ReclaimedThird, failed, err = reclaimRound(ctx, e, ids, pids, d, "third", say)
+	third, failed, err := reclaimRound(ctx, e, ids, pids, d, "third", say)
 	r.ExecFailed += failed
+	if err == nil && third.Reclaimed > 0 {
+		r.ReclaimedThird = third
+	}
 	return err
 }
 
 // reclaimRound pages every child out once more (the nth time), measures
 // their memory, times an exec in each, woken from paged out, and measures
-// their memory again. It returns nil if nothing was paged out, and how
-// many execs failed.
+// their memory again; if nothing was paged out, only how long it waited.
+// It returns how many execs failed too.
 func reclaimRound(ctx context.Context, e *sandbox.Engine, ids []string, pids []int, d time.Duration, nth string, say func(string, ...any)) (*ReclaimRound, int, error) {
 	var rr ReclaimRound
 	if rr.AllReclaimedMS, rr.Reclaimed = pageOutAll(e, len(ids), d); rr.Reclaimed == 0 {
 		say("nothing was paged out the %s time (the daemon's log says why)", nth)
-		return nil, 0, nil
+		return &rr, 0, nil
 	}
 	var err error
 	if rr.Memory, err = childMemory(pids); err != nil {

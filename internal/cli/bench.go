@@ -263,7 +263,7 @@ func benchScale(cmd *cobra.Command, g *globals, o bench.ScaleOptions, asJSON boo
 	if m := r.AfterWakeAgainMemory; m != nil {
 		afterExec(m)
 	}
-	if t := r.ReclaimedThird; t != nil {
+	if t := r.ReclaimedThird; t != nil && t.Memory != nil {
 		fmt.Fprintf(g.stdout, "paged out a third time (%d, in %.0f s): resident p50 %.1f MiB, swap p50 %.1f MiB; host per child %.1f MiB (%.1f compacted)\n",
 			t.Reclaimed, t.AllReclaimedMS/1000, t.Memory.PrivateMiB.P50, t.Memory.SwapMiB.P50, t.Memory.HostMiB, t.Memory.HostCompactedMiB)
 		fmt.Fprintf(g.stdout, "exec over all, each woken from its third page-out: p50 %.0f ms, p90 %.0f ms, p99 %.0f ms (mean wake %.0f ms; %d read back %.1f MiB in %.0f ms first, %d learning afresh); awake: p50 %.0f ms\n",

@@ -290,7 +290,7 @@ func TestBenchJSON(t *testing.T) {
 // measures the children awake and frozen, and execs in each while the
 // pool refills and again once it is full; with swap (CI has zram) it
 // pages them out three times and execs in each after each page-out, the
-// second and third time with the pages read back first (or, the third
+// second and third time reading the pages back as it wakes (or, the third
 // time, learning them afresh); it leaves nothing behind.
 func TestBenchScaleJSON(t *testing.T) {
 	c := newCLI(t)

@@ -145,7 +145,7 @@ type ScaleResult struct {
 	// time (ReclaimedAgain of them), an exec in each, and the memory
 	// after it. At this page-out the idle watch notes what the wakes
 	// since the first one brought back, and the wake reads it back
-	// before its guest runs: PageIns wakes did, reading PageInMiB in
+	// while its guest runs: PageIns wakes did, reading PageInMiB in
 	// PageInMS each (means).
 	AllReclaimedAgainMS      float64      `json:"all_reclaimed_again_ms,omitempty"`
 	ReclaimedAgain           int          `json:"reclaimed_again"`
@@ -493,6 +493,7 @@ func reclaimRound(ctx context.Context, e *sandbox.Engine, ids []string, pids []i
 	before := e.FreezeStats()
 	var failed int
 	rr.Exec, rr.ExecAwake, rr.MeanWakeMS, failed = execEach(ctx, e, ids, say)
+	e.WaitPageIns()
 	after := e.FreezeStats()
 	if rr.PageIns = after.PageIns - before.PageIns; rr.PageIns > 0 {
 		n := float64(rr.PageIns)

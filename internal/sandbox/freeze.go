@@ -72,7 +72,7 @@ type FreezeStats struct {
 	ZramCompactions    int64 `json:"zram_compactions"`
 	ZramCompactedBytes int64 `json:"zram_compacted_bytes"`
 	// PageIns counts the wakes that read a paged-out sandbox's pages
-	// back before its guest ran, PageInBytes what they read and
+	// back (while its guest ran), PageInBytes what they read and
 	// PageInSeconds how long that took, summed.
 	PageIns       int64   `json:"page_ins"`
 	PageInBytes   int64   `json:"page_in_bytes"`
@@ -106,9 +106,12 @@ type idleState struct {
 	// at the next one then includes all it read, used or not. learned
 	// is what was resident at the last page-out after a wake that did
 	// not read back (the pages the guest touched, no more), in bytes.
+	// pagingIn is set while a wake's read-back runs: no page-out starts
+	// before it ends.
 	hot      []proc.Span
 	readBack bool
 	learned  uint64
+	pagingIn bool
 	// resync is set by a thaw: the next client of the sandbox tells the
 	// guest the time first.
 	resync bool
@@ -143,6 +146,8 @@ type idler struct {
 	pageIn   func(proc.Identity, []proc.Span) (int64, error)
 	swapFree func() (uint64, error)
 	compact  func() (int, int64, error)
+	// pagingIn counts the wakes' read-backs running.
+	pagingIn sync.WaitGroup
 }
 
 // compactLater notes that pages left zram's pool, now: a compaction is
@@ -245,10 +250,10 @@ func (e *Engine) hold(id string) (release func(), resync bool, err error) {
 	return release, resync, nil
 }
 
-// thaw thaws sandbox id's VMM. Called with id's lock in e.idle.locks
-// held.
+// thaw thaws sandbox id's VMM, and starts reading back the pages its
+// last page-out found resident, if this freeze paged it out. Called with
+// id's lock in e.idle.locks held.
 func (e *Engine) thaw(id string, st *idleState) error {
-	e.pageInHot(id, st)
 	if err := e.cfg.Cgroups.Thaw(id); err != nil {
 		return fmt.Errorf("wake sandbox %s: %w", id, err)
 	}
@@ -258,9 +263,27 @@ func (e *Engine) thaw(id string, st *idleState) error {
 	if st.reclaimed {
 		e.idle.compactLater(time.Now())
 	}
+	pageIn := st.hot != nil
+	if pageIn {
+		st.pagingIn = true
+		e.idle.pagingIn.Add(1)
+	}
 	e.idle.mu.Unlock()
+	if pageIn {
+		go func() {
+			defer e.idle.pagingIn.Done()
+			e.pageInHot(id, st)
+			e.idle.mu.Lock()
+			st.pagingIn = false
+			e.idle.mu.Unlock()
+		}()
+	}
 	return nil
 }
+
+// WaitPageIns waits until the read-backs of the wakes so far have ended
+// (FreezeStats counts them then).
+func (e *Engine) WaitPageIns() { e.idle.pagingIn.Wait() }
 
 // woken tells a guest that was frozen the time, unless its clock kept
 // counting while it was frozen, and counts the wake's latency, from start

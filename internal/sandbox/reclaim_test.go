@@ -14,7 +14,7 @@ import (
 )
 
 // The idle watch pages out a sandbox frozen for its reclaim time, once a
-// freeze, never one being woken; a wake stops a page-out under way; full
+// freeze, never one being woken or read back; a wake stops a page-out under way; full
 // swap pauses it and a kernel that refuses it turns it off. The page-out
 // and the host's swap are fakes here (TestIdleFreezeVM pages out real
 // VMMs).
@@ -41,6 +41,8 @@ func TestIdleReclaim(t *testing.T) {
 	e.idle.m["busy"] = frozen(2, long)
 	e.idle.m["busy"].busy = 1
 	e.idle.m["recent"] = frozen(3, time.Now())
+	e.idle.m["reading"] = frozen(4, long)
+	e.idle.m["reading"].pagingIn = true // its last wake's read-back runs
 	tick := func() []int {
 		t.Helper()
 		mu.Lock()
@@ -101,6 +103,10 @@ func TestIdleReclaim(t *testing.T) {
 	e.idle.swapChecked = time.Now().Add(-reclaimRetry)
 	result = func(proc.Identity, func() bool) (int64, error) { return 1 << 20, nil }
 	want(tick(), 3)
+
+	// Once its read-back has ended, the other is paged out too.
+	e.idle.m["reading"].pagingIn = false
+	want(tick(), 4)
 
 	// A kernel that refuses process_madvise turns page-outs off.
 	e.idle.m["a"].gen, e.idle.m["a"].tried = 4, false

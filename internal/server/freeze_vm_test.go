@@ -280,9 +280,10 @@ func TestIdleFreezeVM(t *testing.T) {
 			return err
 		})
 		// The second page-out noted what the wake before had brought
-		// back, and the wake after it read that back first: over a
-		// MiB. (The third reads back too unless the eval's pages grew
-		// the set by more than a quarter.)
+		// back, and the wake after it read that back beside the guest:
+		// over a MiB. (The third reads back too unless the eval's pages
+		// grew the set by more than a quarter.)
+		d.e.WaitPageIns()
 		if st := d.e.FreezeStats(); st.Reclaims-before < 3 || st.SwappedBytes <= 0 || st.PageIns-pageIns < 1 || st.PageInBytes < 1<<20 {
 			t.Errorf("freeze stats %+v after three page-outs", st)
 		}

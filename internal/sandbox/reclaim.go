@@ -220,7 +220,7 @@ func (e *Engine) hotSet(j reclaimJob, readBack bool, learned uint64) ([]proc.Spa
 // the freeze just ended paged it out: its guest then faults on fewer of
 // them. It runs beside the woken guest (thaw starts it), which takes a
 // fault on a page it wants before the read-back gets there; on a 2-core
-// TCG host the first exec after a later page-out took 10-20 % less at the
+// TCG host the first exec after a later page-out took 1-19 % less at the
 // p50 than with all read back before the thaw (docs/benchmarks.md). A
 // failure only costs the wake those faults.
 func (e *Engine) pageInHot(id string, st *idleState) {

@@ -10,6 +10,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/forkd/forkd/internal/cgroup"
 	"github.com/forkd/forkd/internal/proc"
 )
 
@@ -256,5 +257,69 @@ func TestIdleWakePageIn(t *testing.T) {
 	cycle(9, 1, 0)
 	if !st.reclaimed {
 		t.Fatal("not paged out when its resident pages could not be read")
+	}
+}
+
+// A wake from a page-out that noted pages thaws first and reads them back
+// beside the guest: the idle watch pages the sandbox out again only once
+// that read-back has ended, and WaitPageIns waits for it. The read-back
+// is a fake here, and so is the thaw (a manager without a freezer).
+func TestThawReadsBackBeside(t *testing.T) {
+	e := fakeEngine(t)
+	e.cfg.Cgroups = &cgroup.Manager{}
+	release := make(chan struct{})
+	started := make(chan []proc.Span, 1)
+	e.idle.pageIn = func(_ proc.Identity, hot []proc.Span) (int64, error) {
+		started <- hot
+		<-release
+		return int64(hot[0].Len), nil
+	}
+	e.idle.pageOut = func(proc.Identity, func() bool) (int64, error) {
+		t.Error("paged out while its read-back ran")
+		return 0, nil
+	}
+	e.idle.swapFree = func() (uint64, error) { return 1 << 30, nil }
+	e.SetIdleReclaim(time.Minute)
+	hot := []proc.Span{{Start: 0x10000, Len: 4 << 20}}
+	st := &idleState{frozen: true, reclaimed: true, hot: hot, gen: 1, slot: -1, pid: proc.Identity{PID: 1, StartTime: 1}}
+	e.idle.m["a"] = st
+	if err := e.thaw("a", st); err != nil {
+		t.Fatal(err)
+	}
+	if got := <-started; fmt.Sprint(got) != fmt.Sprint(hot) {
+		t.Fatalf("read back %v, want %v", got, hot)
+	}
+	// Frozen again and past its reclaim time while the read-back runs.
+	e.idle.mu.Lock()
+	if st.frozen || !st.pagingIn || st.hot != nil {
+		t.Errorf("during the read-back: frozen %v, pagingIn %v, hot %v", st.frozen, st.pagingIn, st.hot)
+	}
+	st.frozen, st.frozenAt, st.gen, st.tried = true, time.Now().Add(-2*time.Minute), 2, false
+	e.idle.mu.Unlock()
+	var wg sync.WaitGroup
+	e.idleTick(context.Background(), &wg)
+	wg.Wait()
+	done := make(chan struct{})
+	go func() { e.WaitPageIns(); close(done) }()
+	select {
+	case <-done:
+		t.Fatal("WaitPageIns returned while a read-back ran")
+	case <-time.After(50 * time.Millisecond):
+	}
+	close(release)
+	<-done
+	e.idle.mu.Lock()
+	paging := st.pagingIn
+	e.idle.mu.Unlock()
+	if s := e.FreezeStats(); paging || s.PageIns != 1 || s.PageInBytes != 4<<20 || s.Wakes != 1 {
+		t.Fatalf("after the read-back: pagingIn %v, stats %+v", paging, s)
+	}
+	// Now it may be paged out.
+	var paged bool
+	e.idle.pageOut = func(proc.Identity, func() bool) (int64, error) { paged = true; return 1 << 20, nil }
+	e.idleTick(context.Background(), &wg)
+	wg.Wait()
+	if !paged {
+		t.Fatal("not paged out once its read-back had ended")
 	}
 }

@@ -101,7 +101,7 @@ func newMetrics(s *Server, reg *prometheus.Registry) *metrics {
 		{"forkd_zram_compacted_bytes_total", "RAM those compactions freed.", false, func(st sandbox.FreezeStats) float64 { return float64(st.ZramCompactedBytes) }},
 		{"forkd_sandbox_page_ins_total", "Wakes that read a paged-out sandbox's recently used pages back, beside its guest.", false, func(st sandbox.FreezeStats) float64 { return float64(st.PageIns) }},
 		{"forkd_sandbox_page_in_bytes_total", "What those wakes read back.", false, func(st sandbox.FreezeStats) float64 { return float64(st.PageInBytes) }},
-		{"forkd_sandbox_page_in_seconds_total", "Time those wakes spent reading back (included in forkd_sandbox_wake_seconds_total).", false, func(st sandbox.FreezeStats) float64 { return st.PageInSeconds }},
+		{"forkd_sandbox_page_in_seconds_total", "Time those wakes spent reading back, beside their guests (not in forkd_sandbox_wake_seconds_total).", false, func(st sandbox.FreezeStats) float64 { return st.PageInSeconds }},
 	}
 	for _, c := range idle {
 		f := func() float64 { return c.v(s.e.FreezeStats()) }

@@ -146,8 +146,6 @@ type idler struct {
 	pageIn   func(proc.Identity, []proc.Span) (int64, error)
 	swapFree func() (uint64, error)
 	compact  func() (int, int64, error)
-	// pagingIn counts the wakes' read-backs running. Guarded by mu.
-	pagingIn int
 }
 
 // compactLater notes that pages left zram's pool, now: a compaction is
@@ -266,7 +264,6 @@ func (e *Engine) thaw(id string, st *idleState) error {
 	pageIn := st.hot != nil
 	if pageIn {
 		st.pagingIn = true
-		e.idle.pagingIn++
 	}
 	e.idle.mu.Unlock()
 	if pageIn {
@@ -274,25 +271,31 @@ func (e *Engine) thaw(id string, st *idleState) error {
 			e.pageInHot(id, st)
 			e.idle.mu.Lock()
 			st.pagingIn = false
-			e.idle.pagingIn--
 			e.idle.mu.Unlock()
 		}()
 	}
 	return nil
 }
 
-// WaitPageIns waits until no wake's read-back runs (FreezeStats counts
-// one once it has ended), polling: for the bench and tests.
+// WaitPageIns waits until no watched sandbox's read-back runs
+// (FreezeStats counts one once it has ended), polling: for the bench and
+// tests.
 func (e *Engine) WaitPageIns() {
-	for {
-		e.idle.mu.Lock()
-		n := e.idle.pagingIn
-		e.idle.mu.Unlock()
-		if n == 0 {
-			return
-		}
+	for e.pagingIn() {
 		time.Sleep(5 * time.Millisecond)
 	}
+}
+
+// pagingIn reports whether a watched sandbox's read-back runs.
+func (e *Engine) pagingIn() bool {
+	e.idle.mu.Lock()
+	defer e.idle.mu.Unlock()
+	for _, st := range e.idle.m {
+		if st.pagingIn {
+			return true
+		}
+	}
+	return false
 }
 
 // woken tells a guest that was frozen the time, unless its clock kept

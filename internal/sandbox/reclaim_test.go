@@ -15,10 +15,10 @@ import (
 )
 
 // The idle watch pages out a sandbox frozen for its reclaim time, once a
-// freeze, never one being woken or read back; a wake stops a page-out under way; full
-// swap pauses it and a kernel that refuses it turns it off. The page-out
-// and the host's swap are fakes here (TestIdleFreezeVM pages out real
-// VMMs).
+// freeze, never one being woken or read back; a wake stops a page-out
+// under way; full swap pauses it and a kernel that refuses it turns it
+// off. The page-out and the host's swap are fakes here (TestIdleFreezeVM
+// pages out real VMMs).
 func TestIdleReclaim(t *testing.T) {
 	e := fakeEngine(t)
 	var mu sync.Mutex

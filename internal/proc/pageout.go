@@ -104,22 +104,8 @@ type mapping struct{ start, end uint64 }
 // /proc/PID/maps text.
 func privateMappings(maps []byte) []mapping {
 	var out []mapping
-	for line := range bytes.Lines(maps) {
-		f := bytes.Fields(line)
-		if len(f) < 2 || len(f[1]) != 4 || f[1][3] != 'p' {
-			continue
-		}
-		lo, hi, ok := bytes.Cut(f[0], []byte("-"))
-		if !ok {
-			continue
-		}
-		start, err1 := strconv.ParseUint(string(lo), 16, 64)
-		end, err2 := strconv.ParseUint(string(hi), 16, 64)
-		// The top half is the kernel's ([vsyscall]).
-		if err1 != nil || err2 != nil || end <= start || end > 1<<63 {
-			continue
-		}
-		out = append(out, mapping{start, end})
+	for _, d := range privateLayout(maps) {
+		out = append(out, mapping{d.start, d.start + d.size})
 	}
 	return out
 }

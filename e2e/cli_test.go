@@ -316,6 +316,12 @@ func TestBenchScaleJSON(t *testing.T) {
 		if r.Reclaimed != 3 || r.ReclaimedAgain != 3 || r.PageIns != 3 || r.PageInMiB <= 0 {
 			t.Errorf("paged out %d, then %d; %d wakes read back %.1f MiB each; want 3, 3, 3 and some", r.Reclaimed, r.ReclaimedAgain, r.PageIns, r.PageInMiB)
 		}
+		// At the first, the first child's wake faults on demand and is
+		// noted (as its request ends); the third's reads those pages of
+		// its VMM back, and the second's too unless it woke first.
+		if r.SiblingPageIns < 1 || r.SiblingPageIns > 2 || r.SiblingPageInMiB <= 0 {
+			t.Errorf("first page-out: %d wakes read back a sibling's %.1f MiB; want 1 or 2, and some", r.SiblingPageIns, r.SiblingPageInMiB)
+		}
 		// The third time each wake reads back what the second read back
 		// and touched, or relearns.
 		third := r.ReclaimedThird

@@ -126,13 +126,20 @@ type ScaleResult struct {
 	// children were. Memory is measured then (Reclaimed*), and
 	// again right after an exec in each, woken from paged out
 	// (ExecReclaimed, ExecAwakeReclaimed): the pages that exec touched
-	// are back, the rest stay out (AfterWake*).
+	// are back, the rest stay out (AfterWake*). The first child to wake
+	// faults on demand and is noted for its siblings, whose wakes read
+	// those pages of theirs back while their guests run: SiblingPageIns
+	// wakes did, reading SiblingPageInMiB in SiblingPageInMS each
+	// (means).
 	AllReclaimedMS      float64      `json:"all_reclaimed_ms,omitempty"`
 	Reclaimed           int          `json:"reclaimed"`
 	ReclaimedMemory     *ChildMemory `json:"reclaimed_memory,omitempty"`
 	ExecReclaimed       Summary      `json:"exec_reclaimed_ms"`
 	ExecAwakeReclaimed  Summary      `json:"exec_awake_reclaimed_ms"`
 	MeanWakeReclaimedMS float64      `json:"mean_wake_reclaimed_ms,omitempty"`
+	SiblingPageIns      int64        `json:"sibling_page_ins"`
+	SiblingPageInMiB    float64      `json:"sibling_page_in_mib,omitempty"`
+	SiblingPageInMS     float64      `json:"sibling_page_in_ms,omitempty"`
 	AfterWakeMemory     *ChildMemory `json:"after_wake_memory,omitempty"`
 	// Then, every child frozen again (not paged out again), an exec in
 	// each, and the memory after it: the state of a child the daemon
@@ -436,9 +443,14 @@ func scaleReclaimed(ctx context.Context, e *sandbox.Engine, ids []string, pids [
 		return err
 	}
 	say("exec in each child, woken from paged out")
+	before := e.FreezeStats()
 	var failed int
 	r.ExecReclaimed, r.ExecAwakeReclaimed, r.MeanWakeReclaimedMS, failed = execEach(ctx, e, ids, say)
 	r.ExecFailed += failed
+	e.WaitPageIns()
+	after := e.FreezeStats()
+	r.SiblingPageIns = after.SiblingPageIns - before.SiblingPageIns
+	_, r.SiblingPageInMiB, r.SiblingPageInMS = pageInsSince(before, after)
 	if r.AfterWakeMemory, err = childMemory(pids); err != nil {
 		return err
 	}
@@ -494,15 +506,20 @@ func reclaimRound(ctx context.Context, e *sandbox.Engine, ids []string, pids []i
 	var failed int
 	rr.Exec, rr.ExecAwake, rr.MeanWakeMS, failed = execEach(ctx, e, ids, say)
 	e.WaitPageIns()
-	after := e.FreezeStats()
-	if rr.PageIns = after.PageIns - before.PageIns; rr.PageIns > 0 {
-		n := float64(rr.PageIns)
-		rr.PageInMiB = float64(after.PageInBytes-before.PageInBytes) / (1 << 20) / n
-		rr.PageInMS = 1000 * (after.PageInSeconds - before.PageInSeconds) / n
-	}
+	rr.PageIns, rr.PageInMiB, rr.PageInMS = pageInsSince(before, e.FreezeStats())
 	rr.Relearned = max(rr.Reclaimed-int(rr.PageIns), 0)
 	rr.AfterWakeMemory, err = childMemory(pids)
 	return &rr, failed, err
+}
+
+// pageInsSince returns how many wakes read pages back between the freeze
+// stats before and after, and the mean MiB and ms each read.
+func pageInsSince(before, after sandbox.FreezeStats) (n int64, mib, ms float64) {
+	if n = after.PageIns - before.PageIns; n > 0 {
+		mib = float64(after.PageInBytes-before.PageInBytes) / (1 << 20) / float64(n)
+		ms = 1000 * (after.PageInSeconds - before.PageInSeconds) / float64(n)
+	}
+	return n, mib, ms
 }
 
 // pageOutAll waits until the idle watch has frozen n sandboxes, turns its

@@ -297,7 +297,11 @@ func New(cfg Config) (*Engine, error) {
 		restores: make(chan struct{}, cfg.MaxParallel),
 		branches: make(chan struct{}, cfg.MaxBranches),
 		conns:    map[string]*agent.Client{},
-		idle:     idler{m: map[string]*idleState{}, reclaimAfter: cfg.IdleReclaim, pageOut: proc.PageOut, resident: proc.ResidentAnon, pageIn: proc.PageIn, swapFree: hostSwapFree, compact: proc.CompactZramSwap},
+		idle: idler{
+			m: map[string]*idleState{}, reclaimAfter: cfg.IdleReclaim, siblings: map[string]proc.Notes{}, noting: map[string]bool{},
+			pageOut: proc.PageOut, resident: proc.ResidentAnon, pageIn: proc.PageIn, swapFree: hostSwapFree, compact: proc.CompactZramSwap,
+			note: proc.Note, place: proc.Place,
+		},
 		images: &image.Builder{
 			CacheDir:  cfg.CacheDir,
 			AgentPath: cfg.AgentPath,

@@ -77,6 +77,9 @@ type FreezeStats struct {
 	PageIns       int64   `json:"page_ins"`
 	PageInBytes   int64   `json:"page_in_bytes"`
 	PageInSeconds float64 `json:"page_in_seconds"`
+	// SiblingPageIns counts those of PageIns that followed a sandbox's
+	// first page-out and read back what a sibling's wake used.
+	SiblingPageIns int64 `json:"sibling_page_ins"`
 }
 
 // idleState is what the idle watch knows of one sandbox.
@@ -112,6 +115,15 @@ type idleState struct {
 	readBack bool
 	learned  uint64
 	pagingIn bool
+	// snap names the sandbox's siblings (its snapshot, and whether it
+	// has a disk: another VMM layout), for idler.siblings. firstOut is
+	// set when the page-out during this freeze was the sandbox's first:
+	// nothing is known of what its wake will want but what a sibling's
+	// did. learn is set by a wake from a first page-out that found no
+	// sibling's notes: once the request ends, what it faulted back is
+	// noted for its siblings.
+	snap            string
+	firstOut, learn bool
 	// resync is set by a thaw: the next client of the sandbox tells the
 	// guest the time first.
 	resync bool
@@ -138,14 +150,24 @@ type idler struct {
 	// one failed (zram too old, or not there). Guarded by mu.
 	compactDue, compacted time.Time
 	compacting, noCompact bool
+	// siblings holds, by idleState.snap, what the first wake from a
+	// first page-out among sandboxes of that snapshot faulted back
+	// (read once its request ended), for the others' first wakes to
+	// read back; noting holds the snapshots whose notes are being taken.
+	// Kept while sandboxes of the snapshot run. Guarded by mu.
+	siblings map[string]proc.Notes
+	noting   map[string]bool
 	// pageOut, resident, pageIn, swapFree and compact are
 	// proc.PageOut, proc.ResidentAnon, proc.PageIn, the host's free
-	// swap and proc.CompactZramSwap; unit tests replace them.
+	// swap and proc.CompactZramSwap; note and place are proc.Note and
+	// proc.Place. Unit tests replace them.
 	pageOut  func(proc.Identity, func() bool) (int64, error)
 	resident func(proc.Identity, uint64, int) ([]proc.Span, error)
 	pageIn   func(proc.Identity, []proc.Span) (int64, error)
 	swapFree func() (uint64, error)
 	compact  func() (int, int64, error)
+	note     func(proc.Identity, []proc.Span) (proc.Notes, error)
+	place    func(proc.Identity, proc.Notes) ([]proc.Span, error)
 }
 
 // compactLater notes that pages left zram's pool, now: a compaction is
@@ -231,10 +253,15 @@ func (e *Engine) hold(id string) (release func(), resync bool, err error) {
 	e.idle.mu.Unlock()
 	release = func() {
 		e.idle.mu.Lock()
+		learn := false
 		if st.busy--; st.busy == 0 {
 			st.last = time.Now()
+			learn, st.learn = st.learn, false
 		}
 		e.idle.mu.Unlock()
+		if learn {
+			go e.noteSiblings(id, st)
+		}
 	}
 	if frozen {
 		if err := e.thaw(id, st); err != nil {
@@ -261,14 +288,30 @@ func (e *Engine) thaw(id string, st *idleState) error {
 	if st.reclaimed {
 		e.idle.compactLater(time.Now())
 	}
-	pageIn := st.hot != nil
+	// After a first page-out nothing is known of what this guest will
+	// want but what a sibling's first wake faulted back, if one did; if
+	// none did yet, this wake is noted for them.
+	var notes proc.Notes
+	if st.hot == nil && st.firstOut && st.snap != "" {
+		n, ok := e.idle.siblings[st.snap]
+		switch {
+		case ok:
+			// The next page-out learns what is resident then as this
+			// wake's set, what it read back and did not use with it.
+			notes = n
+		case !e.idle.noting[st.snap]:
+			st.learn = true
+		}
+	}
+	st.firstOut = false
+	pageIn := st.hot != nil || notes.Bytes() > 0
 	if pageIn {
 		st.pagingIn = true
 	}
 	e.idle.mu.Unlock()
 	if pageIn {
 		go func() {
-			e.pageInHot(id, st)
+			e.pageInHot(id, st, notes)
 			e.idle.mu.Lock()
 			st.pagingIn = false
 			e.idle.mu.Unlock()
@@ -386,7 +429,7 @@ func (e *Engine) rescanIdle() {
 			st = &idleState{last: now, slot: -1}
 			e.idle.m[sb.ID] = st
 		}
-		st.after, st.pid = e.idleTime(sb), sb.Handle.Process
+		st.after, st.pid, st.snap = e.idleTime(sb), sb.Handle.Process, siblingsOf(sb)
 		if sb.Net != nil && e.cfg.Net != nil {
 			st.slot = sb.Net.Slot
 		}
@@ -397,6 +440,24 @@ func (e *Engine) rescanIdle() {
 			delete(e.idle.m, id)
 		}
 	}
+	snaps := map[string]bool{}
+	for _, st := range e.idle.m {
+		snaps[st.snap] = true
+	}
+	for snap := range e.idle.siblings {
+		if !snaps[snap] {
+			delete(e.idle.siblings, snap)
+		}
+	}
+}
+
+// siblingsOf returns the key of sb's siblings in idler.siblings: VMMs
+// restored from the same snapshot with the same devices.
+func siblingsOf(sb *state.Sandbox) string {
+	if sb.Disk != nil {
+		return sb.Snapshot + "+disk"
+	}
+	return sb.Snapshot
 }
 
 // idleTick wakes frozen sandboxes with new inbound traffic, freezes the
@@ -506,7 +567,7 @@ func (e *Engine) freeze(id string) error {
 	e.idle.mu.Lock()
 	st.frozen, st.cpuAt, st.frozenAt = true, time.Time{}, time.Now()
 	st.gen++
-	st.tried, st.reclaimed, st.hot = false, false, nil
+	st.tried, st.reclaimed, st.hot, st.firstOut, st.learn = false, false, nil, false, false
 	e.idle.stats.Freezes++
 	e.idle.mu.Unlock()
 	e.log.Debug("sandbox frozen", "sandbox", id)

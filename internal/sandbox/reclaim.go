@@ -25,6 +25,16 @@ import (
 // than a quarter over the last one learned from a wake that faulted on
 // demand, the idle watch notes nothing for one wake, which faults on
 // demand again, and the page-out after it learns afresh.
+// A first page-out knows nothing of what the wake after it will want:
+// the whole VMM is resident then. Sandboxes of one snapshot want much the
+// same pages of their VMMs, though (on a 2-core TCG host 16.8-17.1 of
+// the 18.5-19.2 MiB one exec faulted back, at the same offsets of the
+// same mappings): the first of them to wake from its first page-out faults on
+// demand, and once its request has ended the idle watch notes what it
+// has resident, by mapping and offset (proc.Note); the first wakes of
+// the others read those pages of theirs back (proc.Place), beside the
+// guest. Their next page-outs learn what is resident then, the pages of
+// the sibling's they did not use with it (1.4-2.1 MiB here), as their own.
 // Pages faulted back (and those of a paged-out sandbox that goes) leave
 // holes in zram's pool, which takes RAM until compacted: the idle watch
 // asks zram to compact its pools a while after such a wake or kill
@@ -157,7 +167,7 @@ func (e *Engine) reclaim(ctx context.Context, jobs []reclaimJob) {
 		if moved > 0 {
 			if e.idle.m[j.id] == st && e.stillFrozen(j) {
 				st.reclaimed, st.hot, st.learned = true, hot, learned
-				st.readBack = hot != nil
+				st.readBack, st.firstOut = hot != nil, !again
 			}
 			st.swapped = true
 			e.idle.stats.Reclaims++
@@ -217,21 +227,29 @@ func (e *Engine) hotSet(j reclaimJob, readBack bool, learned uint64) ([]proc.Spa
 }
 
 // pageInHot reads back the pages st's last page-out found resident, if
-// the freeze just ended paged it out: its guest then faults on fewer of
-// them. It runs beside the woken guest (thaw starts it), which takes a
-// fault on a page it wants before the read-back gets there; on a 2-core
-// TCG host the first exec after a later page-out took 1-19 % less at the
-// p50 than with all read back before the thaw (docs/benchmarks.md). A
-// failure only costs the wake those faults.
-func (e *Engine) pageInHot(id string, st *idleState) {
+// the freeze just ended paged it out, or else those sibling names (a
+// sibling's, placed in st's VMM by proc.Place): its guest then faults on
+// fewer of them. It runs beside the woken guest (thaw starts it), which
+// takes a fault on a page it wants before the read-back gets there; on a
+// 2-core TCG host the first exec after a later page-out took 1-19 % less
+// at the p50 than with all read back before the thaw
+// (docs/benchmarks.md). A failure only costs the wake those faults.
+func (e *Engine) pageInHot(id string, st *idleState, sibling proc.Notes) {
 	e.idle.mu.Lock()
 	hot, pid := st.hot, st.pid
 	st.hot = nil
 	e.idle.mu.Unlock()
+	start := time.Now()
+	var err error
+	if hot == nil && sibling.Bytes() > 0 {
+		hot, err = e.idle.place(pid, sibling)
+	}
 	if hot == nil {
+		if err != nil && !errdefs.IsNotFound(err) {
+			e.log.Warn("wake: find a sibling's pages in a paged-out sandbox", "sandbox", id, "err", err)
+		}
 		return
 	}
-	start := time.Now()
 	read, err := e.idle.pageIn(pid, hot)
 	took := time.Since(start)
 	switch {
@@ -245,6 +263,42 @@ func (e *Engine) pageInHot(id string, st *idleState) {
 	e.idle.stats.PageIns++
 	e.idle.stats.PageInBytes += read
 	e.idle.stats.PageInSeconds += took.Seconds()
+	if sibling.Bytes() > 0 {
+		e.idle.stats.SiblingPageIns++
+	}
 	e.idle.mu.Unlock()
-	e.log.Debug("sandbox paged in", "sandbox", id, "mib", read>>20, "ms", took.Milliseconds())
+	e.log.Debug("sandbox paged in", "sandbox", id, "mib", read>>20, "ms", took.Milliseconds(), "sibling", sibling.Bytes() > 0)
+}
+
+// noteSiblings notes what sandbox id's VMM has resident, for the first
+// wakes of its siblings (idler.siblings), unless one of them has been
+// noted already. Its last wake was from its first page-out and read
+// nothing back, and its request has just ended: what is resident is what
+// that wake and request faulted back.
+func (e *Engine) noteSiblings(id string, st *idleState) {
+	e.idle.mu.Lock()
+	snap, pid := st.snap, st.pid
+	if _, ok := e.idle.siblings[snap]; ok || e.idle.noting[snap] {
+		e.idle.mu.Unlock()
+		return
+	}
+	e.idle.noting[snap] = true
+	e.idle.mu.Unlock()
+	spans, err := e.idle.resident(pid, wakePageInMax, wakePageInRuns)
+	var notes proc.Notes
+	if err == nil && spans != nil {
+		notes, err = e.idle.note(pid, spans)
+	}
+	e.idle.mu.Lock()
+	delete(e.idle.noting, snap)
+	if err == nil && notes.Bytes() > 0 {
+		e.idle.siblings[snap] = notes
+	}
+	e.idle.mu.Unlock()
+	switch {
+	case err != nil && !errdefs.IsNotFound(err):
+		e.log.Warn("idle watch: note a woken sandbox's pages for its siblings", "sandbox", id, "err", err)
+	case err == nil:
+		e.log.Debug("noted a woken sandbox's pages for its siblings", "sandbox", id, "snapshot", snap, "mib", notes.Bytes()>>20)
+	}
 }

@@ -4,9 +4,11 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
 	"sync"
 	"testing"
 	"time"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 
@@ -220,8 +222,8 @@ func TestIdleWakePageIn(t *testing.T) {
 		var wg sync.WaitGroup
 		e.idleTick(context.Background(), &wg)
 		wg.Wait()
-		e.pageInHot("a", st)
-		e.pageInHot("a", st)
+		e.pageInHot("a", st, proc.Notes{})
+		e.pageInHot("a", st, proc.Notes{})
 		if resident != wantResident || pagedIn != wantPagedIn {
 			t.Fatalf("page-out %d: resident pages read %d times, read back %d; want %d and %d", gen, resident, pagedIn, wantResident, wantPagedIn)
 		}
@@ -321,5 +323,107 @@ func TestThawReadsBackBeside(t *testing.T) {
 	wg.Wait()
 	if !paged {
 		t.Fatal("not paged out once its read-back had ended")
+	}
+}
+
+// After a first page-out, nothing is known of what a wake will want: the
+// first sandbox of a snapshot to wake from one faults on demand, and is
+// noted once its request ends; its siblings' first wakes read back the
+// same pages of their VMMs, and their next page-outs learn what is
+// resident as their own set; a sandbox of another snapshot does not. Page-outs and read-backs are fakes here;
+// the notes are taken of this test's own process, and placed in it
+// (TestIdleFreezeVM wakes a real VMM with a sibling's notes).
+func TestSiblingPageIn(t *testing.T) {
+	e := fakeEngine(t)
+	e.cfg.Cgroups = &cgroup.Manager{}
+	self, err := proc.Self(os.Getpid())
+	if err != nil {
+		t.Fatal(err)
+	}
+	page := os.Getpagesize()
+	m, err := unix.Mmap(-1, 0, 8*page, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Munmap(m)
+	used := []proc.Span{{Start: uint64(uintptr(unsafe.Pointer(&m[0]))), Len: uint64(4 * page)}}
+	e.idle.resident = func(proc.Identity, uint64, int) ([]proc.Span, error) { return used, nil }
+	var mu sync.Mutex
+	var read [][]proc.Span
+	e.idle.pageIn = func(_ proc.Identity, spans []proc.Span) (int64, error) {
+		mu.Lock()
+		defer mu.Unlock()
+		read = append(read, spans)
+		return int64(spans[0].Len), nil
+	}
+	e.idle.pageOut = func(proc.Identity, func() bool) (int64, error) { return 30 << 20, nil }
+	e.idle.swapFree = func() (uint64, error) { return 1 << 30, nil }
+	e.SetIdleReclaim(time.Minute)
+	long := time.Now().Add(-2 * time.Minute)
+	sandbox := func(snap string) *idleState {
+		return &idleState{frozen: true, frozenAt: long, gen: 1, slot: -1, pid: self, snap: snap}
+	}
+	a, b, c := sandbox("s"), sandbox("s"), sandbox("other")
+	e.idle.m["a"], e.idle.m["b"], e.idle.m["c"] = a, b, c
+	var wg sync.WaitGroup
+	e.idleTick(context.Background(), &wg)
+	wg.Wait()
+	if !a.firstOut || !b.firstOut || !c.firstOut {
+		t.Fatalf("first page-outs not marked: %v %v %v", a.firstOut, b.firstOut, c.firstOut)
+	}
+	wake := func(id string, st *idleState) {
+		t.Helper()
+		if err := e.thaw(id, st); err != nil {
+			t.Fatal(err)
+		}
+		e.WaitPageIns()
+	}
+
+	wake("a", a)
+	if !a.learn || len(read) != 0 {
+		t.Fatalf("first wake of the snapshot: learn %v, read back %v", a.learn, read)
+	}
+	e.noteSiblings("a", a) // what its request's release starts
+	if n := e.idle.siblings["s"]; n.Bytes() != uint64(4*page) {
+		t.Fatalf("noted %d bytes for the siblings, want %d", n.Bytes(), 4*page)
+	}
+
+	wake("b", b)
+	if fmt.Sprint(read) != fmt.Sprint([][]proc.Span{used}) {
+		t.Fatalf("sibling's wake read back %v, want %v", read, used)
+	}
+	if s := e.FreezeStats(); s.SiblingPageIns != 1 || s.PageIns != 1 {
+		t.Fatalf("stats %+v after a sibling's wake", s)
+	}
+	if b.learn || b.readBack {
+		t.Fatalf("after a sibling's wake: learn %v, readBack %v", b.learn, b.readBack)
+	}
+
+	// Another snapshot's sandbox learns for its own siblings.
+	wake("c", c)
+	if len(read) != 1 || !c.learn {
+		t.Fatalf("another snapshot's wake: read back %v, learn %v", read, c.learn)
+	}
+
+	// A sandbox's second page-out is no first: it learns what is
+	// resident then as its own set, the sibling's pages with it.
+	b.frozen, b.frozenAt, b.gen, b.tried = true, long, 2, false
+	e.idleTick(context.Background(), &wg)
+	wg.Wait()
+	if b.firstOut || fmt.Sprint(b.hot) != fmt.Sprint(used) || b.learned != uint64(4*page) {
+		t.Fatalf("second page-out: firstOut %v, hot %v, learned %d", b.firstOut, b.hot, b.learned)
+	}
+
+	// Notes stay while a sandbox of their snapshot is watched, and go
+	// once none is (these are in no state store: they leave the watch
+	// once awake).
+	e.rescanIdle()
+	if _, ok := e.idle.siblings["s"]; !ok {
+		t.Fatal("siblings' notes dropped while a sibling is frozen")
+	}
+	wake("b", b)
+	e.rescanIdle()
+	if len(e.idle.siblings) != 0 {
+		t.Fatalf("siblings' notes kept with no sandbox left: %v", e.idle.siblings)
 	}
 }

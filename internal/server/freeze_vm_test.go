@@ -287,6 +287,31 @@ func TestIdleFreezeVM(t *testing.T) {
 		if st := d.e.FreezeStats(); st.Reclaims-before < 3 || st.SwappedBytes <= 0 || st.PageIns-pageIns < 1 || st.PageInBytes < 1<<20 {
 			t.Errorf("freeze stats %+v after three page-outs", st)
 		}
+		// The other child, paged out once meanwhile and not woken
+		// since, reads back at its wake what this one's first wake
+		// from a page-out faulted back: what its own will want.
+		sib, err := c.GetSandbox(ctx, other.ID)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(100 * time.Millisecond) {
+			if swapped, err := proc.SwapBytes(sib.PID); err != nil {
+				t.Fatal(err)
+			} else if swapped >= 8<<20 {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("the other child's VMM %d was not paged out (%+v)", sib.PID, d.e.FreezeStats())
+			}
+		}
+		siblings := d.e.FreezeStats().SiblingPageIns
+		if r, err := c.Exec(ctx, other.ID, apiv1.ExecRequest{Args: []string{"echo", "sibling"}}); err != nil || r.Stdout != "sibling\n" {
+			t.Fatalf("exec in the other child after its page-out: %+v %v", r, err)
+		}
+		d.e.WaitPageIns()
+		if st := d.e.FreezeStats(); st.SiblingPageIns != siblings+1 {
+			t.Errorf("the other child's wake did not read back its sibling's pages: %+v", st)
+		}
 		// What the wakes brought back left holes in zram's pool, which
 		// the daemon compacts a few seconds after such a wake.
 		if swaps, err := os.ReadFile("/proc/swaps"); err == nil && strings.Contains(string(swaps), "/dev/zram") {

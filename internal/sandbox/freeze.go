@@ -108,7 +108,9 @@ type idleState struct {
 	// left pages for the wake after it to read back: what is resident
 	// at the next one then includes all it read, used or not. learned
 	// is what was resident at the last page-out after a wake that did
-	// not read back (the pages the guest touched, no more), in bytes.
+	// not read back its own set (the pages the guest touched, and after
+	// a first wake that read a sibling's, those of the sibling's it did
+	// not use), in bytes.
 	// pagingIn is set while a wake's read-back runs: no page-out starts
 	// before it ends.
 	hot      []proc.Span
@@ -276,8 +278,9 @@ func (e *Engine) hold(id string) (release func(), resync bool, err error) {
 }
 
 // thaw thaws sandbox id's VMM, and starts reading back the pages its
-// last page-out found resident, if this freeze paged it out. Called with
-// id's lock in e.idle.locks held.
+// last page-out found resident, if this freeze paged it out, or after a
+// first page-out those a sibling's first wake used (idler.siblings).
+// Called with id's lock in e.idle.locks held.
 func (e *Engine) thaw(id string, st *idleState) error {
 	if err := e.cfg.Cgroups.Thaw(id); err != nil {
 		return fmt.Errorf("wake sandbox %s: %w", id, err)

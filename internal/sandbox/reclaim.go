@@ -29,8 +29,9 @@ import (
 // the whole VMM is resident then. Sandboxes of one snapshot want much the
 // same pages of their VMMs, though (on a 2-core TCG host 16.8-17.1 of
 // the 18.5-19.2 MiB one exec faulted back, at the same offsets of the
-// same mappings): the first of them to wake from its first page-out faults on
-// demand, and once its request has ended the idle watch notes what it
+// same mappings): the first of them to wake from its first page-out
+// faults on demand (so does any other woken before it is noted), and
+// once its request has ended the idle watch notes what it
 // has resident, by mapping and offset (proc.Note); the first wakes of
 // the others read those pages of theirs back (proc.Place), beside the
 // guest. Their next page-outs learn what is resident then, the pages of

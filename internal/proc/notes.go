@@ -188,6 +188,16 @@ func Note(id Identity, spans []Span) (Notes, error) {
 	return noteSpans(maps, spans), nil
 }
 
+// NoteResident notes the pages ResidentAnon returns (with its bounds: no
+// notes past them), reading the process's maps once for both.
+func NoteResident(id Identity, maxBytes uint64, maxRuns int) (Notes, error) {
+	spans, maps, err := residentAnon(id, maxBytes, maxRuns)
+	if err != nil || spans == nil {
+		return Notes{}, err
+	}
+	return noteSpans(maps, spans), nil
+}
+
 // Place returns the spans of the process named by id that notes (taken
 // of another process of the same program, by Note) name: what PageIn
 // reads back. Runs in mappings it lacks are left out. It fails with a

@@ -98,7 +98,7 @@ func TestNotesPlace(t *testing.T) {
 }
 
 // TestNotePlaceSelf notes the test's own resident pages and places them
-// in itself again.
+// in itself again; NoteResident reads and notes them in one go.
 func TestNotePlaceSelf(t *testing.T) {
 	id, err := Self(os.Getpid())
 	if err != nil {
@@ -126,5 +126,12 @@ func TestNotePlaceSelf(t *testing.T) {
 	// The Go runtime maps and unmaps as the test runs: allow a little.
 	if n.Bytes() < total*9/10 || in < total*9/10 {
 		t.Fatalf("%d resident bytes, %d noted, %d placed", total, n.Bytes(), in)
+	}
+	// NoteResident does both at once, and notes nothing past its bounds.
+	if nr, err := NoteResident(id, 0, 0); err != nil || nr.Bytes() < total*9/10 {
+		t.Fatalf("NoteResident: %d bytes of %d resident, %v", nr.Bytes(), total, err)
+	}
+	if nr, err := NoteResident(id, 0, 1); err != nil || nr.Bytes() != 0 {
+		t.Fatalf("NoteResident with one run at most: %d bytes, %v", nr.Bytes(), err)
 	}
 }

@@ -34,31 +34,36 @@ const pagemapChunk = 8192
 // NotFound-class error once the process has exited. Reading another
 // process's pagemap needs ptrace read access to it (root).
 func ResidentAnon(id Identity, maxBytes uint64, maxRuns int) ([]Span, error) {
+	spans, _, err := residentAnon(id, maxBytes, maxRuns)
+	return spans, err
+}
+
+// residentAnon is ResidentAnon, and returns the maps text it read too.
+func residentAnon(id Identity, maxBytes uint64, maxRuns int) (spans []Span, maps []byte, err error) {
 	p, err := Open(id)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	defer p.Close()
 	dir := filepath.Join(Root, strconv.Itoa(id.PID))
-	maps, err := os.ReadFile(filepath.Join(dir, "maps"))
+	maps, err = os.ReadFile(filepath.Join(dir, "maps"))
 	if err != nil {
-		return nil, p.gone(err)
+		return nil, nil, p.gone(err)
 	}
 	f, err := os.Open(filepath.Join(dir, "pagemap"))
 	if err != nil {
-		return nil, p.gone(err)
+		return nil, nil, p.gone(err)
 	}
 	defer f.Close()
 	page := uint64(os.Getpagesize())
 	buf := make([]byte, 8*pagemapChunk)
-	var spans []Span
 	var total uint64
 	for _, m := range privateMappings(maps) {
 		for addr := m.start; addr+page <= m.end; {
 			n := min((m.end-addr)/page, pagemapChunk)
 			got, err := f.ReadAt(buf[:8*n], int64(addr/page*8))
 			if err != nil && !errors.Is(err, io.EOF) {
-				return nil, p.gone(fmt.Errorf("read pagemap of %d at %#x: %w", id.PID, addr, err))
+				return nil, nil, p.gone(fmt.Errorf("read pagemap of %d at %#x: %w", id.PID, addr, err))
 			}
 			for i := range uint64(got / 8) {
 				e := binary.NativeEndian.Uint64(buf[8*i:])
@@ -70,26 +75,26 @@ func ResidentAnon(id Identity, maxBytes uint64, maxRuns int) ([]Span, error) {
 					spans[k].Len += page
 				} else {
 					if maxRuns > 0 && len(spans) == maxRuns {
-						return nil, nil
+						return nil, maps, nil
 					}
 					spans = append(spans, Span{at, page})
 				}
 				if total += page; maxBytes > 0 && total > maxBytes {
-					return nil, nil
+					return nil, maps, nil
 				}
 			}
 			if uint64(got) < 8*n {
 				// pagemap has an entry for every address below the
 				// top of the address space: the process has exited.
-				return nil, p.gone(fmt.Errorf("read pagemap of %d at %#x: short read", id.PID, addr))
+				return nil, nil, p.gone(fmt.Errorf("read pagemap of %d at %#x: short read", id.PID, addr))
 			}
 			addr += n * page
 		}
 	}
 	if exited(p.fd) {
-		return nil, errExited(id.PID)
+		return nil, nil, errExited(id.PID)
 	}
-	return spans, nil
+	return spans, maps, nil
 }
 
 // pageInBuf is how many bytes PageIn copies out with one call.

@@ -300,7 +300,7 @@ func New(cfg Config) (*Engine, error) {
 		idle: idler{
 			m: map[string]*idleState{}, reclaimAfter: cfg.IdleReclaim, siblings: map[string]proc.Notes{}, noting: map[string]bool{},
 			pageOut: proc.PageOut, resident: proc.ResidentAnon, pageIn: proc.PageIn, swapFree: hostSwapFree, compact: proc.CompactZramSwap,
-			note: proc.Note, place: proc.Place,
+			noteResident: proc.NoteResident, place: proc.Place,
 		},
 		images: &image.Builder{
 			CacheDir:  cfg.CacheDir,

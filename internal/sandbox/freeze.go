@@ -161,15 +161,15 @@ type idler struct {
 	noting   map[string]bool
 	// pageOut, resident, pageIn, swapFree and compact are
 	// proc.PageOut, proc.ResidentAnon, proc.PageIn, the host's free
-	// swap and proc.CompactZramSwap; note and place are proc.Note and
-	// proc.Place. Unit tests replace them.
-	pageOut  func(proc.Identity, func() bool) (int64, error)
-	resident func(proc.Identity, uint64, int) ([]proc.Span, error)
-	pageIn   func(proc.Identity, []proc.Span) (int64, error)
-	swapFree func() (uint64, error)
-	compact  func() (int, int64, error)
-	note     func(proc.Identity, []proc.Span) (proc.Notes, error)
-	place    func(proc.Identity, proc.Notes) ([]proc.Span, error)
+	// swap and proc.CompactZramSwap; noteResident and place are
+	// proc.NoteResident and proc.Place. Unit tests replace them.
+	pageOut      func(proc.Identity, func() bool) (int64, error)
+	resident     func(proc.Identity, uint64, int) ([]proc.Span, error)
+	pageIn       func(proc.Identity, []proc.Span) (int64, error)
+	swapFree     func() (uint64, error)
+	compact      func() (int, int64, error)
+	noteResident func(proc.Identity, uint64, int) (proc.Notes, error)
+	place        func(proc.Identity, proc.Notes) ([]proc.Span, error)
 }
 
 // compactLater notes that pages left zram's pool, now: a compaction is

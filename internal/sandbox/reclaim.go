@@ -285,11 +285,7 @@ func (e *Engine) noteSiblings(id string, st *idleState) {
 	}
 	e.idle.noting[snap] = true
 	e.idle.mu.Unlock()
-	spans, err := e.idle.resident(pid, wakePageInMax, wakePageInRuns)
-	var notes proc.Notes
-	if err == nil && spans != nil {
-		notes, err = e.idle.note(pid, spans)
-	}
+	notes, err := e.idle.noteResident(pid, wakePageInMax, wakePageInRuns)
 	e.idle.mu.Lock()
 	delete(e.idle.noting, snap)
 	if err == nil && notes.Bytes() > 0 {

@@ -348,6 +348,7 @@ func TestSiblingPageIn(t *testing.T) {
 	defer unix.Munmap(m)
 	used := []proc.Span{{Start: uint64(uintptr(unsafe.Pointer(&m[0]))), Len: uint64(4 * page)}}
 	e.idle.resident = func(proc.Identity, uint64, int) ([]proc.Span, error) { return used, nil }
+	e.idle.noteResident = func(id proc.Identity, _ uint64, _ int) (proc.Notes, error) { return proc.Note(id, used) }
 	var mu sync.Mutex
 	var read [][]proc.Span
 	e.idle.pageIn = func(_ proc.Identity, spans []proc.Span) (int64, error) {

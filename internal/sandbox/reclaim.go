@@ -242,7 +242,8 @@ func (e *Engine) pageInHot(id string, st *idleState, sibling proc.Notes) {
 	e.idle.mu.Unlock()
 	start := time.Now()
 	var err error
-	if hot == nil && sibling.Bytes() > 0 {
+	fromSibling := hot == nil && sibling.Bytes() > 0
+	if fromSibling {
 		hot, err = e.idle.place(pid, sibling)
 	}
 	if hot == nil {
@@ -264,11 +265,11 @@ func (e *Engine) pageInHot(id string, st *idleState, sibling proc.Notes) {
 	e.idle.stats.PageIns++
 	e.idle.stats.PageInBytes += read
 	e.idle.stats.PageInSeconds += took.Seconds()
-	if sibling.Bytes() > 0 {
+	if fromSibling {
 		e.idle.stats.SiblingPageIns++
 	}
 	e.idle.mu.Unlock()
-	e.log.Debug("sandbox paged in", "sandbox", id, "mib", read>>20, "ms", took.Milliseconds(), "sibling", sibling.Bytes() > 0)
+	e.log.Debug("sandbox paged in", "sandbox", id, "mib", read>>20, "ms", took.Milliseconds(), "sibling", fromSibling)
 }
 
 // noteSiblings notes what sandbox id's VMM has resident, for the first

@@ -32,7 +32,7 @@ import (
 // same mappings): the first of them to wake from its first page-out
 // faults on demand (so does any other woken before it is noted), and
 // once its request has ended the idle watch notes what it
-// has resident, by mapping and offset (proc.Note); the first wakes of
+// has resident, by mapping and offset (proc.NoteResident); the first wakes of
 // the others read those pages of theirs back (proc.Place), beside the
 // guest. Their next page-outs learn what is resident then, the pages of
 // the sibling's they did not use with it (1.4-2.1 MiB here), as their own.

@@ -13,12 +13,18 @@ import (
 // client is shared and stays open; otherwise the caller gets its own
 // session and must call release when done.
 func (e *Engine) Agent(ctx context.Context, id string) (c *agent.Client, release func(), err error) {
+	return e.heldAgent(ctx, id, true)
+}
+
+// heldAgent is Agent; request is the idle watch's hold's (false: a wake
+// for inbound traffic).
+func (e *Engine) heldAgent(ctx context.Context, id string, request bool) (c *agent.Client, release func(), err error) {
 	if err := ValidateID(id); err != nil {
 		return nil, nil, err
 	}
 	if e.cfg.Daemon {
 		start := time.Now()
-		hold, resync, err := e.hold(id)
+		hold, resync, err := e.hold(id, request)
 		if err != nil {
 			return nil, nil, err
 		}

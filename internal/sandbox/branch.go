@@ -116,7 +116,7 @@ func (e *Engine) Branch(ctx context.Context, spec BranchSpec) (*snapshot.Snapsho
 	}
 	defer release()
 	// Awake while it is branched: a frozen VMM answers no QMP.
-	awake, _, err := e.hold(spec.ID)
+	awake, _, err := e.hold(spec.ID, false)
 	if err != nil {
 		return nil, err
 	}

@@ -236,8 +236,11 @@ func (e *Engine) showFrozen(sb *state.Sandbox) {
 // hold keeps sandbox id awake until the returned release: it thaws it if
 // it was frozen and counts it busy, so that the idle watch leaves it
 // alone. resync reports that the guest was frozen since its client last
-// told it the time.
-func (e *Engine) hold(id string) (release func(), resync bool, err error) {
+// told it the time. request says that the hold is a client's request to
+// the guest, which ends with the release: only such a wake is noted for
+// the sandbox's siblings (a wake by inbound traffic ends before the guest
+// has handled it, and a branch reads all the guest's memory).
+func (e *Engine) hold(id string, request bool) (release func(), resync bool, err error) {
 	if !e.canFreeze() {
 		return func() {}, false, nil
 	}
@@ -266,7 +269,7 @@ func (e *Engine) hold(id string) (release func(), resync bool, err error) {
 		}
 	}
 	if frozen {
-		if err := e.thaw(id, st); err != nil {
+		if err := e.thaw(id, st, request); err != nil {
 			release()
 			return nil, false, err
 		}
@@ -280,8 +283,8 @@ func (e *Engine) hold(id string) (release func(), resync bool, err error) {
 // thaw thaws sandbox id's VMM, and starts reading back the pages its
 // last page-out found resident, if this freeze paged it out, or after a
 // first page-out those a sibling's first wake used (idler.siblings).
-// Called with id's lock in e.idle.locks held.
-func (e *Engine) thaw(id string, st *idleState) error {
+// request is hold's. Called with id's lock in e.idle.locks held.
+func (e *Engine) thaw(id string, st *idleState, request bool) error {
 	if err := e.cfg.Cgroups.Thaw(id); err != nil {
 		return fmt.Errorf("wake sandbox %s: %w", id, err)
 	}
@@ -293,7 +296,7 @@ func (e *Engine) thaw(id string, st *idleState) error {
 	}
 	// After a first page-out nothing is known of what this guest will
 	// want but what a sibling's first wake faulted back, if one did; if
-	// none did yet, this wake is noted for them.
+	// none did yet, this wake is noted for them if it is a request's.
 	var notes proc.Notes
 	if st.hot == nil && st.firstOut && st.snap != "" {
 		n, ok := e.idle.siblings[st.snap]
@@ -302,7 +305,7 @@ func (e *Engine) thaw(id string, st *idleState) error {
 			// The next page-out learns what is resident then as this
 			// wake's set, what it read back and did not use with it.
 			notes = n
-		case !e.idle.noting[st.snap]:
+		case request && !e.idle.noting[st.snap]:
 			st.learn = true
 		}
 	}
@@ -507,12 +510,12 @@ func (e *Engine) idleTick(ctx context.Context, reclaims *sync.WaitGroup) {
 	}
 	e.idle.mu.Unlock()
 	for _, id := range wake {
-		// Through Agent, which thaws and sets the guest's clock; the
-		// packets wait in the tap meanwhile.
+		// Through the agent's client, which thaws and sets the guest's
+		// clock; the packets wait in the tap meanwhile.
 		go func() {
 			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 			defer cancel()
-			if _, release, err := e.Agent(ctx, id); err != nil {
+			if _, release, err := e.heldAgent(ctx, id, false); err != nil {
 				e.log.Warn("idle watch: wake on traffic", "sandbox", id, "err", err)
 			} else {
 				release()

@@ -285,7 +285,7 @@ func TestThawReadsBackBeside(t *testing.T) {
 	hot := []proc.Span{{Start: 0x10000, Len: 4 << 20}}
 	st := &idleState{frozen: true, reclaimed: true, hot: hot, gen: 1, slot: -1, pid: proc.Identity{PID: 1, StartTime: 1}}
 	e.idle.m["a"] = st
-	if err := e.thaw("a", st); err != nil {
+	if err := e.thaw("a", st, true); err != nil {
 		t.Fatal(err)
 	}
 	if got := <-started; fmt.Sprint(got) != fmt.Sprint(hot) {
@@ -364,20 +364,28 @@ func TestSiblingPageIn(t *testing.T) {
 	sandbox := func(snap string) *idleState {
 		return &idleState{frozen: true, frozenAt: long, gen: 1, slot: -1, pid: self, snap: snap}
 	}
-	a, b, c := sandbox("s"), sandbox("s"), sandbox("other")
-	e.idle.m["a"], e.idle.m["b"], e.idle.m["c"] = a, b, c
+	a, b, c, d := sandbox("s"), sandbox("s"), sandbox("other"), sandbox("s")
+	e.idle.m["a"], e.idle.m["b"], e.idle.m["c"], e.idle.m["d"] = a, b, c, d
 	var wg sync.WaitGroup
 	e.idleTick(context.Background(), &wg)
 	wg.Wait()
-	if !a.firstOut || !b.firstOut || !c.firstOut {
-		t.Fatalf("first page-outs not marked: %v %v %v", a.firstOut, b.firstOut, c.firstOut)
+	if !a.firstOut || !b.firstOut || !c.firstOut || !d.firstOut {
+		t.Fatalf("first page-outs not marked: %v %v %v %v", a.firstOut, b.firstOut, c.firstOut, d.firstOut)
 	}
-	wake := func(id string, st *idleState) {
+	wakeFor := func(id string, st *idleState, request bool) {
 		t.Helper()
-		if err := e.thaw(id, st); err != nil {
+		if err := e.thaw(id, st, request); err != nil {
 			t.Fatal(err)
 		}
 		e.WaitPageIns()
+	}
+	wake := func(id string, st *idleState) { t.Helper(); wakeFor(id, st, true) }
+
+	// A wake that is no request's (inbound traffic, a branch) is not
+	// noted: its hold ends before the guest has done the work.
+	wakeFor("d", d, false)
+	if d.learn || len(read) != 0 || e.idle.noting["s"] {
+		t.Fatalf("a wake for traffic: learn %v, read back %v, noting %v", d.learn, read, e.idle.noting["s"])
 	}
 
 	wake("a", a)

@@ -140,6 +140,21 @@ type DeviceSaver interface {
 	SaveDevices(ctx context.Context, spec DeviceSaveSpec) error
 }
 
+// CPUReader is implemented by machines that can tell where each of their
+// guest's vCPUs is: what a caller reports of a guest that does not answer,
+// and how it tells one waiting for an interrupt that never comes.
+type CPUReader interface {
+	// CPUs returns the state of each vCPU, in order.
+	CPUs(ctx context.Context) ([]CPU, error)
+}
+
+// CPU is one vCPU's state: its instruction pointer, and whether it is
+// halted (waiting for an interrupt).
+type CPU struct {
+	PC     uint64
+	Halted bool
+}
+
 // DeviceSaveSpec says what SaveDevices writes and what it builds on.
 type DeviceSaveSpec struct {
 	// StateFile is written atomically (temporary file in its directory,

@@ -346,3 +346,47 @@ func (m *Machine) Wait(ctx context.Context) (vmm.ExitStatus, error) {
 	}
 	return vmm.ExitStatus{Exited: true, ExitedAt: time.Now()}, nil
 }
+
+// CPUs implements vmm.CPUReader, from the monitor's register dump.
+func (m *Machine) CPUs(ctx context.Context) ([]vmm.CPU, error) {
+	q, err := m.monitor(ctx)
+	if err != nil {
+		return nil, err
+	}
+	defer q.close()
+	var dump string
+	if err := q.execute(ctx, "human-monitor-command", map[string]any{"command-line": "info registers -a"}, &dump, -1); err != nil {
+		return nil, err
+	}
+	cpus := parseRegisters(dump)
+	if len(cpus) == 0 {
+		return nil, fmt.Errorf("qemu's register dump names no vCPU: %.200q", dump)
+	}
+	return cpus, nil
+}
+
+// parseRegisters reads the instruction pointer and halt flag of each vCPU
+// from x86 QEMU's "info registers -a": a "CPU#n" line, then lines of
+// NAME=value fields, RIP= and HLT= among them.
+func parseRegisters(dump string) []vmm.CPU {
+	var cpus []vmm.CPU
+	for line := range strings.Lines(dump) {
+		if strings.HasPrefix(line, "CPU#") {
+			cpus = append(cpus, vmm.CPU{})
+			continue
+		}
+		if len(cpus) == 0 {
+			continue
+		}
+		c := &cpus[len(cpus)-1]
+		for _, f := range strings.Fields(line) {
+			switch {
+			case strings.HasPrefix(f, "RIP="):
+				c.PC, _ = strconv.ParseUint(f[len("RIP="):], 16, 64)
+			case f == "HLT=1":
+				c.Halted = true
+			}
+		}
+	}
+	return cpus
+}

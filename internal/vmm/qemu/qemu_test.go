@@ -7,6 +7,7 @@ import (
 	"os"
 	"regexp"
 	"testing"
+	"time"
 
 	"github.com/forkd/forkd/internal/agent"
 	"github.com/forkd/forkd/internal/testvm"
@@ -34,7 +35,10 @@ func TestConformance(t *testing.T) {
 						return err
 					}
 				}
-				return probe(ctx, m)
+				if err := probe(ctx, m); err != nil {
+					return err
+				}
+				return kernelCPU(ctx, m)
 			},
 			Dir: t.TempDir(),
 		}
@@ -53,6 +57,24 @@ func noHugePages(m vmm.Machine) error {
 		return fmt.Errorf("qemu %d runs with transparent huge pages (want THP_enabled: 0 under TCG)", pid)
 	}
 	return nil
+}
+
+// kernelCPU checks that m tells where its one vCPU is: in the guest
+// kernel (the top half of the address space), where an idle guest waits,
+// within two seconds of its answer (its agent may still be finishing).
+func kernelCPU(ctx context.Context, m vmm.Machine) error {
+	var cpus []vmm.CPU
+	for range 20 {
+		var err error
+		if cpus, err = m.(vmm.CPUReader).CPUs(ctx); err != nil {
+			return err
+		}
+		if len(cpus) == 1 && cpus[0].PC >= 0xffff800000000000 {
+			return nil
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	return fmt.Errorf("vCPUs %+v: want one, in the guest kernel", cpus)
 }
 
 // probe connects to the agent and pings it.

@@ -337,7 +337,7 @@ func coldBoot(ctx context.Context, e *sandbox.Engine, img *image.Image, o Option
 			defer cancel()
 			c, err := sandbox.DialAgent(bctx, m, agent.Options{})
 			if err != nil {
-				errs[i] = fmt.Errorf("%w%s", err, sandbox.ConsoleTail(spec.ConsoleLog))
+				errs[i] = fmt.Errorf("%w%s%s", err, sandbox.GuestReport(ctx, m), sandbox.ConsoleTail(spec.ConsoleLog))
 				return
 			}
 			defer c.Close()

@@ -5,6 +5,7 @@ import (
 	"crypto/rand"
 	"crypto/sha256"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -87,8 +88,19 @@ func (s *SnapshotSpec) validate() error {
 // CreateSnapshot boots a parent VM from an image (built-in, built
 // already, or imported from an OCI image first), warms it, and saves it as
 // a snapshot named spec.Tag. A taken tag is refused before any import or
-// build. On any failure nothing is left behind.
+// build. On any failure nothing is left behind. A parent whose guest
+// got stuck before its agent answered is booted once more.
 func (e *Engine) CreateSnapshot(ctx context.Context, spec SnapshotSpec) (*snapshot.Snapshot, error) {
+	snap, err := e.createSnapshot(ctx, spec)
+	if err != nil && errors.Is(err, errStuck) && ctx.Err() == nil {
+		e.log.Warn("parent VM stuck at boot; booting it once more", "snapshot", spec.Tag, "err", err)
+		e.progress(ctx, "parent VM stuck at boot; booting it once more")
+		snap, err = e.createSnapshot(ctx, spec)
+	}
+	return snap, err
+}
+
+func (e *Engine) createSnapshot(ctx context.Context, spec SnapshotSpec) (*snapshot.Snapshot, error) {
 	if err := spec.validate(); err != nil {
 		return nil, err
 	}
@@ -283,9 +295,22 @@ const preloadTimeout = 15 * time.Minute
 func (e *Engine) warm(ctx context.Context, m vmm.Machine, spec SnapshotSpec, consoleLog string) error {
 	bctx, cancel := context.WithTimeout(ctx, spec.BootTimeout)
 	defer cancel()
-	c, err := DialAgent(bctx, m, agent.Options{})
+	wctx, stuck := context.WithCancelCause(bctx)
+	watched := make(chan struct{})
+	go func() {
+		defer close(watched)
+		if err := parentStuck.wait(wctx, m); err != nil {
+			stuck(err)
+		}
+	}()
+	c, err := DialAgent(wctx, m, agent.Options{})
+	stuck(nil)
+	<-watched
+	if cause := context.Cause(wctx); err != nil && errors.Is(cause, errStuck) {
+		return errdefs.Unavailable("parent agent: %w%s", cause, ConsoleTail(consoleLog))
+	}
 	if err != nil {
-		return fmt.Errorf("parent agent: %w%s", err, ConsoleTail(consoleLog))
+		return fmt.Errorf("parent agent: %w%s%s", err, GuestReport(ctx, m), ConsoleTail(consoleLog))
 	}
 	defer c.Close()
 	// Init starts the warm interpreter and imports its preload (pandas and

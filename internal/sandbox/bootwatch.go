@@ -15,8 +15,9 @@ import (
 // errStuck marks the error of a parent VM whose guest stopped before its
 // agent answered: every vCPU halted and its VMM idle for a whole window.
 // CI has seen cold boots under TCG fall silent after the kernel's first
-// lines until the boot's deadline (a few in hundreds of runs; none in 386
-// boots in a row by hand), and the same test pass when run again.
+// lines until the boot's deadline (a few times in many runs; none in 640
+// boots in a row by hand, 400 of them beside two busy loops), and the
+// same test pass when run again.
 var errStuck = errors.New("the guest is stuck: every vCPU halted and its VMM idle")
 
 // stuckWatch judges a booting guest stuck. From after on, every every it

@@ -303,6 +303,10 @@ func TestBenchScaleJSON(t *testing.T) {
 	if r.N != 3 || r.Pool != 3 || r.Frozen != 3 || r.FirstForkFailed+r.ForkFailed+r.ExecFailed != 0 {
 		t.Errorf("n %d, pool %d, frozen %d, failed %d/%d/%d", r.N, r.Pool, r.Frozen, r.FirstForkFailed, r.ForkFailed, r.ExecFailed)
 	}
+	// A frozen fleet costs the daemon's idle watch little: far from a core.
+	if r.FrozenDaemonCPUCores < 0 || r.FrozenDaemonCPUCores > 0.5 {
+		t.Errorf("daemon CPU with every child frozen: %.3f cores", r.FrozenDaemonCPUCores)
+	}
 	if r.ForkWallMS <= 0 || r.PoolFullRefillMS <= 0 || r.KillAllMS <= 0 {
 		t.Errorf("fork wall %v, pool full after %v, kill all %v", r.ForkWallMS, r.PoolFullRefillMS, r.KillAllMS)
 	}

@@ -114,10 +114,14 @@ type ScaleResult struct {
 	// same execs again once it has refilled, in PoolFullRefillMS after
 	// the fork, and every child is frozen again: the daemon's steady
 	// state. Zero when the pool did not refill.
-	PoolFullRefillMS    float64 `json:"pool_full_refill_ms,omitempty"`
-	ExecRoundtripSteady Summary `json:"exec_roundtrip_steady_ms"`
-	ExecAwakeSteady     Summary `json:"exec_awake_steady_ms"`
-	MeanWakeSteadyMS    float64 `json:"mean_wake_steady_ms,omitempty"`
+	PoolFullRefillMS float64 `json:"pool_full_refill_ms,omitempty"`
+	// FrozenDaemonCPUCores is the CPU this process (the daemon's engine:
+	// its idle watch reads every child's traffic counter ten times a
+	// second) used over the idle time then, before those execs, in cores.
+	FrozenDaemonCPUCores float64 `json:"frozen_daemon_cpu_cores"`
+	ExecRoundtripSteady  Summary `json:"exec_roundtrip_steady_ms"`
+	ExecAwakeSteady      Summary `json:"exec_awake_steady_ms"`
+	MeanWakeSteadyMS     float64 `json:"mean_wake_steady_ms,omitempty"`
 
 	// The reclaim phase (once the steady execs are done, with
 	// --idle-reclaim): every child frozen again and left until the idle
@@ -405,6 +409,12 @@ func scaleFrozen(ctx context.Context, e *sandbox.Engine, ids []string, pids []in
 	say("waiting for the pool to refill")
 	if refilled() {
 		waitFrozen(e, len(ids))
+		say("CPU of the daemon over %s, every child frozen and the pool full", o.IdleFor)
+		pct, err := idleCPU(ctx, []int{os.Getpid()}, o.IdleFor)
+		if err != nil {
+			return err
+		}
+		r.FrozenDaemonCPUCores = pct / 100
 		say("exec in each child again, woken from frozen, the pool full (refilled %.0f s after the fork)", r.PoolFullRefillMS/1000)
 		var failed int
 		r.ExecRoundtripSteady, r.ExecAwakeSteady, r.MeanWakeSteadyMS, failed = execEach(ctx, e, ids, say)

@@ -41,6 +41,9 @@ func (m *Manager) destroy(slot int) error {
 	m.mu.Lock()
 	delete(m.policies, slot)
 	m.mu.Unlock()
+	m.countersMu.Lock()
+	m.closeCounter(slot)
+	m.countersMu.Unlock()
 	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("destroy network of slot %d: %w", slot, err)
 	}

@@ -92,7 +92,7 @@ func (s *SnapshotSpec) validate() error {
 // got stuck before its agent answered is booted once more.
 func (e *Engine) CreateSnapshot(ctx context.Context, spec SnapshotSpec) (*snapshot.Snapshot, error) {
 	snap, err := e.createSnapshot(ctx, spec)
-	if err != nil && errors.Is(err, errStuck) && ctx.Err() == nil {
+	if errors.Is(err, errStuck) && ctx.Err() == nil {
 		e.log.Warn("parent VM stuck at boot; booting it once more", "snapshot", spec.Tag, "err", err)
 		e.progress(ctx, "parent VM stuck at boot; booting it once more")
 		snap, err = e.createSnapshot(ctx, spec)
@@ -306,10 +306,10 @@ func (e *Engine) warm(ctx context.Context, m vmm.Machine, spec SnapshotSpec, con
 	c, err := DialAgent(wctx, m, agent.Options{})
 	stuck(nil)
 	<-watched
-	if cause := context.Cause(wctx); err != nil && errors.Is(cause, errStuck) {
-		return errdefs.Unavailable("parent agent: %w%s", cause, ConsoleTail(consoleLog))
-	}
 	if err != nil {
+		if cause := context.Cause(wctx); errors.Is(cause, errStuck) {
+			return errdefs.Unavailable("parent agent: %w%s", cause, ConsoleTail(consoleLog))
+		}
 		return fmt.Errorf("parent agent: %w%s%s", err, GuestReport(ctx, m), ConsoleTail(consoleLog))
 	}
 	defer c.Close()

@@ -183,6 +183,7 @@ func New(opts Options) (*Manager, error) {
 		log:      opts.Logger,
 		alloc:    map[int]bool{},
 		policies: map[int]Policy{},
+		counters: map[int]*os.File{},
 	}, nil
 }
 
@@ -500,9 +501,6 @@ func (m *Manager) Inbound(slot int) (uint64, error) {
 			var err error
 			if f, err = os.Open(filepath.Join(sysClassNet, m.hostLink(slot), "statistics", "tx_packets")); err != nil {
 				return 0, err
-			}
-			if m.counters == nil {
-				m.counters = map[int]*os.File{}
 			}
 			m.counters[slot] = f
 		}

@@ -1,10 +1,13 @@
 package bench
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"io"
+	"net"
+	"net/http"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -174,6 +177,17 @@ type ScaleResult struct {
 	// nothing back (ReclaimRound.Relearned).
 	ReclaimedThird *ReclaimRound `json:"reclaimed_third,omitempty"`
 
+	// The traffic phase, last (with Network and freezing): an HTTP server
+	// started in each child (busybox httpd on TrafficPort), every child
+	// frozen again, then a GET of the child's page from the host, at the
+	// child's address, in each child in turn: the packets alone wake it
+	// (TrafficWoken, the whole GET). TrafficAwake is a second GET right
+	// after. TrafficFailed counts the children whose server did not start
+	// or whose first GET failed.
+	TrafficWoken  Summary `json:"traffic_woken_ms"`
+	TrafficAwake  Summary `json:"traffic_awake_ms"`
+	TrafficFailed int     `json:"traffic_failed"`
+
 	KillAllMS float64 `json:"kill_all_ms"`
 }
 
@@ -274,7 +288,7 @@ func RunScale(ctx context.Context, e *sandbox.Engine, o ScaleOptions) (*ScaleRes
 	}
 	r.ForkWallMS = fr.WallMS
 	var ready []float64
-	var ids []string
+	var ids, addrs []string
 	var pids []int
 	for _, c := range fr.Children {
 		if c.Err != nil {
@@ -286,6 +300,11 @@ func RunScale(ctx context.Context, e *sandbox.Engine, o ScaleOptions) (*ScaleRes
 		ready = append(ready, c.ReadyMS)
 		ids = append(ids, c.ID)
 		pids = append(pids, c.Sandbox.Handle.Process.PID)
+		addr := ""
+		if c.Sandbox.Net != nil {
+			addr = c.Sandbox.Net.Address
+		}
+		addrs = append(addrs, addr)
 	}
 	r.ForkReady = Summarize(ready)
 	if len(ids) == 0 {
@@ -314,7 +333,7 @@ func RunScale(ctx context.Context, e *sandbox.Engine, o ScaleOptions) (*ScaleRes
 		r.PoolFullRefillMS = msSince(forked)
 		return true
 	}
-	if err := scaleFrozen(ctx, e, ids, pids, o, r, refilled, say); err != nil {
+	if err := scaleFrozen(ctx, e, ids, addrs, pids, o, r, refilled, say); err != nil {
 		return nil, err
 	}
 	r.Load1After = load1()
@@ -383,8 +402,9 @@ func killAll(ctx context.Context, e *sandbox.Engine, tag string) error {
 // scaleFrozen runs the engine's idle watch, measures the children once
 // all are frozen, then times an exec in each (waking it); then, once
 // refilled reports the pool full again, waits until all are frozen again
-// and times those execs again.
-func scaleFrozen(ctx context.Context, e *sandbox.Engine, ids []string, pids []int, o ScaleOptions, r *ScaleResult, refilled func() bool, say func(string, ...any)) error {
+// and times those execs again; then the reclaim phase, and with a network
+// the traffic phase (addrs are the children's addresses, as ids).
+func scaleFrozen(ctx context.Context, e *sandbox.Engine, ids, addrs []string, pids []int, o ScaleOptions, r *ScaleResult, refilled func() bool, say func(string, ...any)) error {
 	if e.Config().IdleFreeze <= 0 {
 		return nil
 	}
@@ -424,7 +444,98 @@ func scaleFrozen(ctx context.Context, e *sandbox.Engine, ids []string, pids []in
 		// refill (the pool keeps some free): page-outs still measure.
 		say("the pool did not refill: no steady-state execs")
 	}
-	return scaleReclaimed(ctx, e, ids, pids, o.IdleReclaim, r, say)
+	if err := scaleReclaimed(ctx, e, ids, pids, o.IdleReclaim, r, say); err != nil {
+		return err
+	}
+	if r.Network {
+		scaleTraffic(ctx, e, ids, addrs, r, say)
+	}
+	return nil
+}
+
+// TrafficPort is the guest port of the traffic phase's HTTP servers.
+const TrafficPort = 8000
+
+// scaleTraffic starts an HTTP server in each of ids, serving a page that
+// names the child, waits until the idle watch froze them all, and times a
+// GET of each child's page at its address (addrs, as ids) from the host,
+// then a second one.
+func scaleTraffic(ctx context.Context, e *sandbox.Engine, ids, addrs []string, r *ScaleResult, say func(string, ...any)) {
+	say("an HTTP server in each child")
+	var up []int
+	for i, id := range ids {
+		if addrs[i] == "" {
+			r.TrafficFailed++
+			say("%s has no address", id)
+			continue
+		}
+		if err := startServer(ctx, e, id); err != nil {
+			r.TrafficFailed++
+			say("HTTP server in %s: %v", id, err)
+			continue
+		}
+		up = append(up, i)
+	}
+	waitFrozen(e, len(ids))
+	say("GET from each child's server, woken from frozen by the request's packets")
+	hc := &http.Client{Timeout: time.Minute, Transport: &http.Transport{DisableKeepAlives: true}}
+	var woken, again []float64
+	for _, i := range up {
+		url := fmt.Sprintf("http://%s/", net.JoinHostPort(addrs[i], strconv.Itoa(TrafficPort)))
+		start := time.Now()
+		if err := getPage(ctx, hc, url, ids[i]); err != nil {
+			r.TrafficFailed++
+			say("GET in %s: %v", ids[i], err)
+			continue
+		}
+		woken = append(woken, msSince(start))
+		start = time.Now()
+		if err := getPage(ctx, hc, url, ids[i]); err == nil {
+			again = append(again, msSince(start))
+		}
+	}
+	r.TrafficWoken, r.TrafficAwake = Summarize(woken), Summarize(again)
+}
+
+// startServer starts busybox's HTTP server on TrafficPort in sandbox id,
+// in the background, serving a page that holds id.
+func startServer(ctx context.Context, e *sandbox.Engine, id string) error {
+	xctx, cancel := context.WithTimeout(ctx, time.Minute)
+	defer cancel()
+	c, release, err := e.Agent(xctx, id)
+	if err != nil {
+		return err
+	}
+	defer release()
+	var stderr bytes.Buffer
+	res, err := c.Exec(xctx, agent.ExecRequest{Shell: "mkdir -p /tmp/www && echo " + id + " > /tmp/www/index.html", Stderr: &stderr})
+	if err == nil && res.ExitCode != 0 {
+		err = fmt.Errorf("write the page: exit %d: %s", res.ExitCode, bytes.TrimSpace(stderr.Bytes()))
+	}
+	if err != nil {
+		return err
+	}
+	_, err = c.Exec(xctx, agent.ExecRequest{Args: []string{"busybox", "httpd", "-f", "-p", strconv.Itoa(TrafficPort), "-h", "/tmp/www"},
+		Background: true, Tag: "bench-httpd"})
+	return err
+}
+
+// getPage GETs url and checks that the page holds id.
+func getPage(ctx context.Context, hc *http.Client, url, id string) error {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+	if err != nil {
+		return err
+	}
+	resp, err := hc.Do(req)
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(io.LimitReader(resp.Body, 4096))
+	if err == nil && (resp.StatusCode != http.StatusOK || strings.TrimSpace(string(body)) != id) {
+		err = fmt.Errorf("%s: %s %q", url, resp.Status, body)
+	}
+	return err
 }
 
 // scaleReclaimed turns the idle watch's reclaim on (after d), waits until

@@ -101,6 +101,9 @@ type ScaleResult struct {
 	// was frozen (idle time 1 s).
 	AllFrozenMS float64 `json:"all_frozen_ms"`
 	Frozen      int     `json:"frozen"`
+	// FrozenWatched is how many of them had their inbound traffic
+	// watched by a packet socket (the rest: their counters polled).
+	FrozenWatched int `json:"frozen_watched"`
 
 	ChildPrivateMiB Summary `json:"child_private_mib"`
 
@@ -119,8 +122,8 @@ type ScaleResult struct {
 	// state. Zero when the pool did not refill.
 	PoolFullRefillMS float64 `json:"pool_full_refill_ms,omitempty"`
 	// FrozenDaemonCPUCores is the CPU this process (the daemon's engine:
-	// its idle watch reads every child's traffic counter ten times a
-	// second) used over the idle time then, before those execs, in cores.
+	// its idle watch looks at every child ten times a second) used over
+	// the idle time then, before those execs, in cores.
 	FrozenDaemonCPUCores float64 `json:"frozen_daemon_cpu_cores"`
 	ExecRoundtripSteady  Summary `json:"exec_roundtrip_steady_ms"`
 	ExecAwakeSteady      Summary `json:"exec_awake_steady_ms"`
@@ -414,7 +417,8 @@ func scaleFrozen(ctx context.Context, e *sandbox.Engine, ids, addrs []string, pi
 	defer func() { stop(); <-done }()
 	say("waiting for the idle watch to freeze them")
 	r.AllFrozenMS = waitFrozen(e, len(ids))
-	r.Frozen = e.FreezeStats().Frozen
+	st := e.FreezeStats()
+	r.Frozen, r.FrozenWatched = st.Frozen, st.Watched
 	if r.Frozen == 0 {
 		say("nothing was frozen: this host has no cgroup freezer forkd can use")
 		return nil

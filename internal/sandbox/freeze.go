@@ -10,6 +10,7 @@ import (
 	"github.com/forkd/forkd/internal/agent"
 	"github.com/forkd/forkd/internal/agent/proto"
 	"github.com/forkd/forkd/internal/errdefs"
+	"github.com/forkd/forkd/internal/netns"
 	"github.com/forkd/forkd/internal/proc"
 	"github.com/forkd/forkd/internal/state"
 )
@@ -18,7 +19,9 @@ import (
 // in flight, no request, no inbound network traffic and no work of its own
 // (its VMM's CPU use under BusyCPU) for its idle time is frozen whole (its VMM's tasks stop in the cgroup freezer: no CPU, no
 // wake-ups), and thawed by the next request of any kind before that
-// request reaches the guest, or by inbound traffic within IdlePoll. After
+// request reaches the guest, or by the first packet the host sends towards
+// it (a watch on its host link: netns.InboundWatch; where none can be
+// made, its traffic counter read every IdlePoll). After
 // a thaw the guest is told the time. A frozen sandbox keeps its memory,
 // its TTL (the expirer kills it frozen or not) and its network. Idle
 // reclaim (reclaim.go) pages out what sandboxes frozen long enough hold.
@@ -30,7 +33,8 @@ const DefaultIdleFreeze = 10 * time.Second
 const MaxIdleFreezeSecs = 86400
 
 // IdlePoll is how often the idle watch looks at the sandboxes' traffic
-// and idle times: inbound traffic wakes a frozen sandbox within it.
+// and idle times: a running sandbox's inbound traffic keeps it awake, and
+// wakes a frozen one whose link could not be watched within it.
 const IdlePoll = 100 * time.Millisecond
 
 // BusyCPU is the share of one host core a sandbox's VMM may use and
@@ -57,9 +61,15 @@ func ValidateIdleFreezeSecs(secs int) error {
 
 // FreezeStats count the idle watch's work since the engine started.
 type FreezeStats struct {
-	Frozen  int   `json:"frozen"`  // sandboxes frozen now
+	Frozen int `json:"frozen"` // sandboxes frozen now
+	// Watched counts those of Frozen whose inbound traffic is watched
+	// (netns.InboundWatch); the others' counters are read every
+	// IdlePoll.
+	Watched int   `json:"watched"`
 	Freezes int64 `json:"freezes"` // freezes done
 	Wakes   int64 `json:"wakes"`   // thaws done for a request or traffic
+	// TrafficWakes counts the wakes inbound traffic asked for.
+	TrafficWakes int64 `json:"traffic_wakes"`
 	// WakeSeconds is the sum of the wakes' latencies (thaw and clock
 	// resync), for a mean.
 	WakeSeconds float64 `json:"wake_seconds"`
@@ -90,6 +100,9 @@ type idleState struct {
 	pid     proc.Identity
 	slot    int // network slot, -1 for none
 	inbound uint64
+	// watch, while it is frozen, wakes it on the first packet for it
+	// (nil: none could be made, and the idle watch reads its counter).
+	watch *netns.InboundWatch
 	// cpu is the VMM's CPU time at cpuAt (zero: not read since the
 	// sandbox joined the watch or was frozen).
 	cpu    time.Duration
@@ -210,6 +223,9 @@ func (e *Engine) FreezeStats() FreezeStats {
 	for _, st := range e.idle.m {
 		if st.frozen {
 			s.Frozen++
+			if st.watch != nil {
+				s.Watched++
+			}
 			if st.reclaimed {
 				s.Reclaimed++
 			}
@@ -291,6 +307,8 @@ func (e *Engine) thaw(id string, st *idleState, request bool) error {
 	e.idle.mu.Lock()
 	st.frozen, st.resync = false, true
 	e.idle.stats.Wakes++
+	w := st.watch
+	st.watch = nil
 	if st.reclaimed {
 		e.idle.compactLater(time.Now())
 	}
@@ -315,6 +333,9 @@ func (e *Engine) thaw(id string, st *idleState, request bool) error {
 		st.pagingIn = true
 	}
 	e.idle.mu.Unlock()
+	if w != nil {
+		w.Close()
+	}
 	if pageIn {
 		go func() {
 			e.pageInHot(id, st, notes)
@@ -374,11 +395,19 @@ func (e *Engine) forgetIdle(id string) error {
 	}
 	defer e.idle.locks.lock(id)()
 	e.idle.mu.Lock()
-	if st := e.idle.m[id]; st != nil && st.swapped {
+	st := e.idle.m[id]
+	if st != nil && st.swapped {
 		e.idle.compactLater(time.Now())
+	}
+	var w *netns.InboundWatch
+	if st != nil {
+		w, st.watch = st.watch, nil
 	}
 	delete(e.idle.m, id)
 	e.idle.mu.Unlock()
+	if w != nil {
+		w.Close()
+	}
 	return e.cfg.Cgroups.Thaw(id)
 }
 
@@ -476,7 +505,7 @@ func (e *Engine) idleTick(ctx context.Context, reclaims *sync.WaitGroup) {
 	e.idle.mu.Lock()
 	pick := e.idle.reclaimAfter > 0 && !e.idle.reclaiming && !e.idle.cannot && (!e.idle.noSwap || now.Sub(e.idle.swapChecked) >= reclaimRetry)
 	for id, st := range e.idle.m {
-		if st.slot >= 0 {
+		if st.slot >= 0 && st.watch == nil {
 			if n, err := e.cfg.Net.Inbound(st.slot); err == nil && n != st.inbound {
 				st.inbound = n
 				st.last = now
@@ -510,23 +539,71 @@ func (e *Engine) idleTick(ctx context.Context, reclaims *sync.WaitGroup) {
 	}
 	e.idle.mu.Unlock()
 	for _, id := range wake {
-		// Through the agent's client, which thaws and sets the guest's
-		// clock; the packets wait in the tap meanwhile.
-		go func() {
-			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-			defer cancel()
-			if _, release, err := e.heldAgent(ctx, id, false); err != nil {
-				e.log.Warn("idle watch: wake on traffic", "sandbox", id, "err", err)
-			} else {
-				release()
-			}
-		}()
+		go e.wakeForTraffic(id)
 	}
 	for _, id := range freeze {
 		if err := e.freeze(id); err != nil {
 			e.log.Warn("idle watch: freeze", "sandbox", id, "err", err)
 		}
 	}
+}
+
+// wakeForTraffic wakes frozen sandbox id for inbound traffic, through
+// the agent's client, which thaws it and sets the guest's clock; the
+// packets wait in its tap meanwhile.
+func (e *Engine) wakeForTraffic(id string) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	e.idle.mu.Lock()
+	e.idle.stats.TrafficWakes++
+	e.idle.mu.Unlock()
+	if _, release, err := e.heldAgent(ctx, id, false); err != nil {
+		e.log.Warn("idle watch: wake on traffic", "sandbox", id, "err", err)
+	} else {
+		release()
+	}
+}
+
+// watchTraffic waits for w's first packet and wakes sandbox id (st) for
+// it. A thaw for anything else closes w first, and so ends it; a watch
+// that fails on its own (its link gone) leaves the sandbox to the idle
+// watch's reading of its counter.
+func (e *Engine) watchTraffic(id string, st *idleState, w *netns.InboundWatch) {
+	got := w.Wait()
+	e.idle.mu.Lock()
+	mine := st.watch == w
+	if mine {
+		st.watch = nil
+	}
+	e.idle.mu.Unlock()
+	if !mine {
+		return
+	}
+	w.Close()
+	if got {
+		e.wakeForTraffic(id)
+	}
+}
+
+// watchInbound starts a watch on the traffic towards the network of
+// sandbox id (slot) before it is frozen; nil when it has none, or no watch
+// can be made (the idle watch then reads its counter). busy reports
+// traffic since the idle watch's last reading of the counter (seen),
+// before the watch began: the sandbox is not idle.
+func (e *Engine) watchInbound(id string, slot int, seen uint64) (w *netns.InboundWatch, busy bool) {
+	if slot < 0 || e.cfg.Net == nil {
+		return nil, false
+	}
+	w, err := e.cfg.Net.WatchInbound(slot)
+	if err != nil {
+		e.log.Debug("idle watch: its counter stands in for a watch on its traffic", "sandbox", id, "err", err)
+		return nil, false
+	}
+	if n, err := e.cfg.Net.Inbound(slot); err == nil && n != seen {
+		w.Close()
+		return nil, true
+	}
+	return w, false
 }
 
 // working reads st's VMM's CPU time and reports whether it used more than
@@ -552,7 +629,7 @@ func (e *Engine) freeze(id string) error {
 		e.idle.mu.Unlock()
 		return nil
 	}
-	pid := st.pid
+	pid, slot, seen := st.pid, st.slot, st.inbound
 	e.idle.mu.Unlock()
 	// A calling client would wait on a frozen guest: freeze only a
 	// sandbox whose daemon client has nothing pending.
@@ -564,19 +641,34 @@ func (e *Engine) freeze(id string) error {
 	if !proc.Alive(pid) {
 		return nil
 	}
+	w, busy := e.watchInbound(id, slot, seen)
+	if busy {
+		return nil
+	}
+	closeWatch := func() {
+		if w != nil {
+			w.Close()
+		}
+	}
 	if err := e.cfg.Cgroups.Freeze(id, pid.PID); err != nil {
+		closeWatch()
 		return err
 	}
 	if !proc.Alive(pid) {
+		closeWatch()
 		return errors.Join(errdefs.NotFound("sandbox %s: its VMM went away while it was frozen", id), e.cfg.Cgroups.Thaw(id))
 	}
 	e.idle.mu.Lock()
+	st.watch = w
 	st.frozen, st.cpuAt, st.frozenAt = true, time.Time{}, time.Now()
 	st.gen++
 	st.tried, st.reclaimed, st.hot, st.firstOut, st.learn = false, false, nil, false, false
 	e.idle.stats.Freezes++
 	e.idle.mu.Unlock()
-	e.log.Debug("sandbox frozen", "sandbox", id)
+	e.log.Debug("sandbox frozen", "sandbox", id, "watched", w != nil)
+	if w != nil {
+		go e.watchTraffic(id, st, w)
+	}
 	return nil
 }
 
@@ -596,10 +688,15 @@ func (e *Engine) thawAll() {
 			e.log.Warn("thaw at shutdown", "sandbox", id, "err", err)
 		}
 		e.idle.mu.Lock()
+		var w *netns.InboundWatch
 		if st := e.idle.m[id]; st != nil {
 			st.frozen, st.hot = false, nil
+			w, st.watch = st.watch, nil
 		}
 		e.idle.mu.Unlock()
+		if w != nil {
+			w.Close()
+		}
 		unlock()
 	}
 }

@@ -108,6 +108,10 @@ func TestIdleFreezeVM(t *testing.T) {
 					if b != a {
 						t.Errorf("frozen VMM %d took %d ticks of CPU in a second without a wake", s.PID, b-a)
 					}
+					// Every frozen child's traffic is watched, not polled.
+					if st := d.e.FreezeStats(); st.Watched != st.Frozen {
+						t.Errorf("%d frozen, %d of them with their traffic watched", st.Frozen, st.Watched)
+					}
 					return
 				}
 				t.Logf("%d wakes while VMM %d was checked (%d ticks of CPU): checking again", woke, s.PID, b-a)
@@ -198,13 +202,19 @@ func TestIdleFreezeVM(t *testing.T) {
 		})
 	})
 	t.Run("published port", func(t *testing.T) {
+		var before int64
 		awake(t, "GET", func(ctx context.Context) error {
+			before = d.e.FreezeStats().TrafficWakes
 			body, err := get(ctx, url)
 			if err == nil && body != "frozen-ok\n" {
 				err = fmt.Errorf("body %q", body)
 			}
 			return err
 		})
+		// Its packets woke it: nothing else asked.
+		if n := d.e.FreezeStats().TrafficWakes - before; n < 1 {
+			t.Errorf("%d wakes for traffic during the GET", n)
+		}
 	})
 	// A request that keeps the guest computing longer than the idle
 	// time: its VMM's CPU use keeps it awake until it answers.

@@ -504,24 +504,19 @@ func scaleTraffic(ctx context.Context, e *sandbox.Engine, ids, addrs []string, r
 // startServer starts busybox's HTTP server on TrafficPort in sandbox id,
 // in the background, serving a page that holds id.
 func startServer(ctx context.Context, e *sandbox.Engine, id string) error {
-	xctx, cancel := context.WithTimeout(ctx, time.Minute)
-	defer cancel()
-	c, release, err := e.Agent(xctx, id)
-	if err != nil {
+	return withAgent(ctx, e, id, func(ctx context.Context, c *agent.Client) error {
+		var stderr bytes.Buffer
+		res, err := c.Exec(ctx, agent.ExecRequest{Shell: "mkdir -p /tmp/www && echo " + id + " > /tmp/www/index.html", Stderr: &stderr})
+		if err == nil && res.ExitCode != 0 {
+			err = fmt.Errorf("write the page: exit %d: %s", res.ExitCode, bytes.TrimSpace(stderr.Bytes()))
+		}
+		if err != nil {
+			return err
+		}
+		_, err = c.Exec(ctx, agent.ExecRequest{Args: []string{"busybox", "httpd", "-f", "-p", strconv.Itoa(TrafficPort), "-h", "/tmp/www"},
+			Background: true, Tag: "bench-httpd"})
 		return err
-	}
-	defer release()
-	var stderr bytes.Buffer
-	res, err := c.Exec(xctx, agent.ExecRequest{Shell: "mkdir -p /tmp/www && echo " + id + " > /tmp/www/index.html", Stderr: &stderr})
-	if err == nil && res.ExitCode != 0 {
-		err = fmt.Errorf("write the page: exit %d: %s", res.ExitCode, bytes.TrimSpace(stderr.Bytes()))
-	}
-	if err != nil {
-		return err
-	}
-	_, err = c.Exec(xctx, agent.ExecRequest{Args: []string{"busybox", "httpd", "-f", "-p", strconv.Itoa(TrafficPort), "-h", "/tmp/www"},
-		Background: true, Tag: "bench-httpd"})
-	return err
+	})
 }
 
 // getPage GETs url and checks that the page holds id.
@@ -731,6 +726,18 @@ func execEach(ctx context.Context, e *sandbox.Engine, ids []string, say func(str
 
 // execTrue runs `true` in sandbox id.
 func execTrue(ctx context.Context, e *sandbox.Engine, id string) error {
+	return withAgent(ctx, e, id, func(ctx context.Context, c *agent.Client) error {
+		res, err := c.Exec(ctx, agent.ExecRequest{Args: []string{"true"}})
+		if err == nil && res.ExitCode != 0 {
+			err = fmt.Errorf("true exited %d", res.ExitCode)
+		}
+		return err
+	})
+}
+
+// withAgent calls f with sandbox id's agent client (waking it when
+// frozen), both bounded by a minute.
+func withAgent(ctx context.Context, e *sandbox.Engine, id string, f func(context.Context, *agent.Client) error) error {
 	xctx, cancel := context.WithTimeout(ctx, time.Minute)
 	defer cancel()
 	c, release, err := e.Agent(xctx, id)
@@ -738,11 +745,7 @@ func execTrue(ctx context.Context, e *sandbox.Engine, id string) error {
 		return err
 	}
 	defer release()
-	res, err := c.Exec(xctx, agent.ExecRequest{Args: []string{"true"}})
-	if err == nil && res.ExitCode != 0 {
-		err = fmt.Errorf("true exited %d", res.ExitCode)
-	}
-	return err
+	return f(xctx, c)
 }
 
 // idleCost samples pids over d: their CPU in cores all together, and their

@@ -1,6 +1,7 @@
 package netns
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"os"
@@ -82,7 +83,12 @@ func sentOnly() []unix.SockFilter {
 	}
 }
 
-func htons(v uint16) uint16 { return v<<8 | v>>8 }
+// htons returns v in network byte order, as the kernel reads it.
+func htons(v uint16) uint16 {
+	var b [2]byte
+	binary.BigEndian.PutUint16(b[:], v)
+	return binary.NativeEndian.Uint16(b[:])
+}
 
 // Wait blocks until the host has sent a packet towards the slot since the
 // watch began, and returns true; or until the watch is closed, or fails
@@ -91,12 +97,17 @@ func (w *InboundWatch) Wait() bool {
 	got := false
 	err := w.rc.Read(func(fd uintptr) bool {
 		var b [1]byte
-		_, _, err := unix.Recvfrom(int(fd), b[:], unix.MSG_DONTWAIT)
-		if errors.Is(err, unix.EAGAIN) || errors.Is(err, unix.EINTR) {
-			return false // wait until readable
+		for {
+			_, _, err := unix.Recvfrom(int(fd), b[:], unix.MSG_DONTWAIT)
+			switch {
+			case errors.Is(err, unix.EINTR):
+				continue
+			case errors.Is(err, unix.EAGAIN):
+				return false // wait until readable
+			}
+			got = err == nil
+			return true
 		}
-		got = err == nil
-		return true
 	})
 	return err == nil && got
 }

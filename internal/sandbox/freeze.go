@@ -550,13 +550,21 @@ func (e *Engine) idleTick(ctx context.Context, reclaims *sync.WaitGroup) {
 
 // wakeForTraffic wakes frozen sandbox id for inbound traffic, through
 // the agent's client, which thaws it and sets the guest's clock; the
-// packets wait in its tap meanwhile.
+// packets wait in its tap meanwhile. A sandbox no longer frozen, or gone
+// from the idle watch (a kill), is left alone.
 func (e *Engine) wakeForTraffic(id string) {
+	e.idle.mu.Lock()
+	st := e.idle.m[id]
+	frozen := st != nil && st.frozen
+	if frozen {
+		e.idle.stats.TrafficWakes++
+	}
+	e.idle.mu.Unlock()
+	if !frozen {
+		return
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	e.idle.mu.Lock()
-	e.idle.stats.TrafficWakes++
-	e.idle.mu.Unlock()
 	if _, release, err := e.heldAgent(ctx, id, false); err != nil {
 		e.log.Warn("idle watch: wake on traffic", "sandbox", id, "err", err)
 	} else {
@@ -565,23 +573,23 @@ func (e *Engine) wakeForTraffic(id string) {
 }
 
 // watchTraffic waits for w's first packet and wakes sandbox id (st) for
-// it. A thaw for anything else closes w first, and so ends it; a watch
-// that fails on its own (its link gone) leaves the sandbox to the idle
-// watch's reading of its counter.
+// it. w stays st's until the thaw takes and closes it, so that the idle
+// watch does not read the counter meanwhile; a thaw for anything else
+// ends the wait the same way. A watch still st's afterwards (the wake
+// failed, or the watch ended by itself: its link gone) is closed and
+// leaves the sandbox to the idle watch's reading of its counter.
 func (e *Engine) watchTraffic(id string, st *idleState, w *netns.InboundWatch) {
-	got := w.Wait()
+	if w.Wait() {
+		e.wakeForTraffic(id)
+	}
 	e.idle.mu.Lock()
 	mine := st.watch == w
 	if mine {
 		st.watch = nil
 	}
 	e.idle.mu.Unlock()
-	if !mine {
-		return
-	}
-	w.Close()
-	if got {
-		e.wakeForTraffic(id)
+	if mine {
+		w.Close()
 	}
 }
 

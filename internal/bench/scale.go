@@ -184,11 +184,13 @@ type ScaleResult struct {
 	// started in each child (busybox httpd on TrafficPort), every child
 	// frozen again, then a GET of the child's page from the host, at the
 	// child's address, in each child in turn: the packets alone wake it
-	// (TrafficWoken, the whole GET). TrafficAwake is a second GET right
-	// after. TrafficFailed counts the children whose server did not start
-	// or whose first GET failed.
+	// (TrafficWoken, the whole GET; TrafficWakes is how many wakes the
+	// idle watch started for traffic meanwhile). TrafficAwake is a second
+	// GET right after. TrafficFailed counts the children whose server did
+	// not start or one of whose GETs failed.
 	TrafficWoken  Summary `json:"traffic_woken_ms"`
 	TrafficAwake  Summary `json:"traffic_awake_ms"`
+	TrafficWakes  int64   `json:"traffic_wakes"`
 	TrafficFailed int     `json:"traffic_failed"`
 
 	KillAllMS float64 `json:"kill_all_ms"`
@@ -481,10 +483,17 @@ func scaleTraffic(ctx context.Context, e *sandbox.Engine, ids, addrs []string, r
 		up = append(up, i)
 	}
 	waitFrozen(e, len(ids))
+	if n := e.FreezeStats().Frozen; n < len(ids) {
+		say("only %d of %d children froze: the others' GETs find them awake", n, len(ids))
+	}
 	say("GET from each child's server, woken from frozen by the request's packets")
 	hc := &http.Client{Timeout: time.Minute, Transport: &http.Transport{DisableKeepAlives: true}}
+	before := e.FreezeStats().TrafficWakes
 	var woken, again []float64
 	for _, i := range up {
+		if ctx.Err() != nil {
+			break
+		}
 		url := fmt.Sprintf("http://%s/", net.JoinHostPort(addrs[i], strconv.Itoa(TrafficPort)))
 		start := time.Now()
 		if err := getPage(ctx, hc, url, ids[i]); err != nil {
@@ -494,10 +503,14 @@ func scaleTraffic(ctx context.Context, e *sandbox.Engine, ids, addrs []string, r
 		}
 		woken = append(woken, msSince(start))
 		start = time.Now()
-		if err := getPage(ctx, hc, url, ids[i]); err == nil {
-			again = append(again, msSince(start))
+		if err := getPage(ctx, hc, url, ids[i]); err != nil {
+			r.TrafficFailed++
+			say("second GET in %s: %v", ids[i], err)
+			continue
 		}
+		again = append(again, msSince(start))
 	}
+	r.TrafficWakes = e.FreezeStats().TrafficWakes - before
 	r.TrafficWoken, r.TrafficAwake = Summarize(woken), Summarize(again)
 }
 

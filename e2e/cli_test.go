@@ -345,8 +345,8 @@ func TestBenchScaleJSON(t *testing.T) {
 	}
 	// With a network each child's server answers a GET that wakes it: its
 	// packets did.
-	if r.Network && (r.TrafficFailed != 0 || r.TrafficWoken.N != 3 || r.TrafficWoken.P50 <= 0 || r.TrafficAwake.N != 3 || r.TrafficWakes != 3) {
-		t.Errorf("traffic: %d failed, %d traffic wakes, woken %+v, awake %+v", r.TrafficFailed, r.TrafficWakes, r.TrafficWoken, r.TrafficAwake)
+	if r.Network && (r.TrafficFailed != 0 || r.TrafficWoken.N != 3 || r.TrafficWoken.P50 <= 0 || r.TrafficAwake.N != 3 || r.TrafficWakes != 6 || r.TrafficBurst.N != 3) {
+		t.Errorf("traffic: %d failed, %d traffic wakes, woken %+v, awake %+v, at once %+v", r.TrafficFailed, r.TrafficWakes, r.TrafficWoken, r.TrafficAwake, r.TrafficBurst)
 	}
 	if out := c.ok("ls", "--json"); !strings.Contains(out, `"sandboxes": []`) {
 		t.Errorf("bench left sandboxes: %s", out)

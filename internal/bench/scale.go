@@ -12,6 +12,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/forkd/forkd/internal/agent"
@@ -181,17 +182,23 @@ type ScaleResult struct {
 	ReclaimedThird *ReclaimRound `json:"reclaimed_third,omitempty"`
 
 	// The traffic phase, last (with Network and freezing): an HTTP server
-	// started in each child (busybox httpd on TrafficPort), every child
-	// frozen again, then a GET of the child's page from the host, at the
-	// child's address, in each child in turn: the packets alone wake it
-	// (TrafficWoken, the whole GET; TrafficWakes is how many wakes the
-	// idle watch started for traffic meanwhile). TrafficAwake is a second
-	// GET right after. TrafficFailed counts the children whose server did
-	// not start or one of whose GETs failed.
+	// started in each child (busybox httpd on TrafficPort) and a first GET
+	// of its page, awake; every child frozen again, then a GET of the
+	// child's page from the host, at the child's address, in each child in
+	// turn: the packets alone wake it (TrafficWoken, the whole GET;
+	// TrafficWakes is how many wakes the idle watch started for traffic in
+	// the phase). TrafficAwake is a second GET right after. TrafficFailed
+	// counts the children whose server did not start or one of whose GETs
+	// failed.
 	TrafficWoken  Summary `json:"traffic_woken_ms"`
 	TrafficAwake  Summary `json:"traffic_awake_ms"`
 	TrafficWakes  int64   `json:"traffic_wakes"`
 	TrafficFailed int     `json:"traffic_failed"`
+	// Then every child frozen again and a GET to each at once:
+	// TrafficBurst is each GET's time, TrafficBurstWallMS the time until
+	// the last answered.
+	TrafficBurst       Summary `json:"traffic_burst_ms"`
+	TrafficBurstWallMS float64 `json:"traffic_burst_wall_ms"`
 
 	KillAllMS float64 `json:"kill_all_ms"`
 }
@@ -482,12 +489,32 @@ func scaleTraffic(ctx context.Context, e *sandbox.Engine, ids, addrs []string, r
 		}
 		up = append(up, i)
 	}
+	// A first GET in each, awake: the server answers, and the guest has
+	// run (and QEMU translated) its network path and the server's once,
+	// as a server's guest has by the time it idles.
+	hc := &http.Client{Timeout: time.Minute, Transport: &http.Transport{DisableKeepAlives: true}}
+	served := up[:0]
+	for _, i := range up {
+		url := fmt.Sprintf("http://%s/", net.JoinHostPort(addrs[i], strconv.Itoa(TrafficPort)))
+		var err error
+		for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(100 * time.Millisecond) {
+			if err = getPage(ctx, hc, url, ids[i]); err == nil || ctx.Err() != nil || time.Now().After(deadline) {
+				break
+			}
+		}
+		if err != nil {
+			r.TrafficFailed++
+			say("first GET in %s: %v", ids[i], err)
+			continue
+		}
+		served = append(served, i)
+	}
+	up = served
 	waitFrozen(e, len(ids))
 	if n := e.FreezeStats().Frozen; n < len(ids) {
 		say("only %d of %d children froze: the others' GETs find them awake", n, len(ids))
 	}
 	say("GET from each child's server, woken from frozen by the request's packets")
-	hc := &http.Client{Timeout: time.Minute, Transport: &http.Transport{DisableKeepAlives: true}}
 	before := e.FreezeStats().TrafficWakes
 	var woken, again []float64
 	for _, i := range up {
@@ -512,6 +539,37 @@ func scaleTraffic(ctx context.Context, e *sandbox.Engine, ids, addrs []string, r
 	}
 	r.TrafficWakes = e.FreezeStats().TrafficWakes - before
 	r.TrafficWoken, r.TrafficAwake = Summarize(woken), Summarize(again)
+	if ctx.Err() != nil || len(up) == 0 {
+		return
+	}
+	// All at once, as a caller fanning one request out to every child.
+	waitFrozen(e, len(ids))
+	say("GET from every child's server at once, each woken from frozen by its packets")
+	burst := make([]float64, len(up))
+	errs := make([]error, len(up))
+	var wg sync.WaitGroup
+	start := time.Now()
+	for k, i := range up {
+		wg.Go(func() {
+			url := fmt.Sprintf("http://%s/", net.JoinHostPort(addrs[i], strconv.Itoa(TrafficPort)))
+			t := time.Now()
+			errs[k] = getPage(ctx, hc, url, ids[i])
+			burst[k] = msSince(t)
+		})
+	}
+	wg.Wait()
+	r.TrafficBurstWallMS = msSince(start)
+	r.TrafficWakes = e.FreezeStats().TrafficWakes - before
+	var ok []float64
+	for k, err := range errs {
+		if err != nil {
+			r.TrafficFailed++
+			say("GET at once in %s: %v", ids[up[k]], err)
+			continue
+		}
+		ok = append(ok, burst[k])
+	}
+	r.TrafficBurst = Summarize(ok)
 }
 
 // startServer starts busybox's HTTP server on TrafficPort in sandbox id,

@@ -1,18 +1,14 @@
 package bench
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"io"
-	"net"
-	"net/http"
 	"os"
 	"path/filepath"
 	"strconv"
 	"strings"
-	"sync"
 	"time"
 
 	"github.com/forkd/forkd/internal/agent"
@@ -464,148 +460,6 @@ func scaleFrozen(ctx context.Context, e *sandbox.Engine, ids, addrs []string, pi
 		scaleTraffic(ctx, e, ids, addrs, r, say)
 	}
 	return nil
-}
-
-// TrafficPort is the guest port of the traffic phase's HTTP servers.
-const TrafficPort = 8000
-
-// scaleTraffic starts an HTTP server in each of ids, serving a page that
-// names the child, waits until the idle watch froze them all, and times a
-// GET of each child's page at its address (addrs, as ids) from the host,
-// then a second one.
-func scaleTraffic(ctx context.Context, e *sandbox.Engine, ids, addrs []string, r *ScaleResult, say func(string, ...any)) {
-	say("an HTTP server in each child")
-	var up []int
-	for i, id := range ids {
-		if addrs[i] == "" {
-			r.TrafficFailed++
-			say("%s has no address", id)
-			continue
-		}
-		if err := startServer(ctx, e, id); err != nil {
-			r.TrafficFailed++
-			say("HTTP server in %s: %v", id, err)
-			continue
-		}
-		up = append(up, i)
-	}
-	// A first GET in each, awake: the server answers, and the guest has
-	// run (and QEMU translated) its network path and the server's once,
-	// as a server's guest has by the time it idles.
-	hc := &http.Client{Timeout: time.Minute, Transport: &http.Transport{DisableKeepAlives: true}}
-	served := up[:0]
-	for _, i := range up {
-		url := fmt.Sprintf("http://%s/", net.JoinHostPort(addrs[i], strconv.Itoa(TrafficPort)))
-		var err error
-		for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(100 * time.Millisecond) {
-			if err = getPage(ctx, hc, url, ids[i]); err == nil || ctx.Err() != nil || time.Now().After(deadline) {
-				break
-			}
-		}
-		if err != nil {
-			r.TrafficFailed++
-			say("first GET in %s: %v", ids[i], err)
-			continue
-		}
-		served = append(served, i)
-	}
-	up = served
-	waitFrozen(e, len(ids))
-	if n := e.FreezeStats().Frozen; n < len(ids) {
-		say("only %d of %d children froze: the others' GETs find them awake", n, len(ids))
-	}
-	say("GET from each child's server, woken from frozen by the request's packets")
-	before := e.FreezeStats().TrafficWakes
-	var woken, again []float64
-	for _, i := range up {
-		if ctx.Err() != nil {
-			break
-		}
-		url := fmt.Sprintf("http://%s/", net.JoinHostPort(addrs[i], strconv.Itoa(TrafficPort)))
-		start := time.Now()
-		if err := getPage(ctx, hc, url, ids[i]); err != nil {
-			r.TrafficFailed++
-			say("GET in %s: %v", ids[i], err)
-			continue
-		}
-		woken = append(woken, msSince(start))
-		start = time.Now()
-		if err := getPage(ctx, hc, url, ids[i]); err != nil {
-			r.TrafficFailed++
-			say("second GET in %s: %v", ids[i], err)
-			continue
-		}
-		again = append(again, msSince(start))
-	}
-	r.TrafficWakes = e.FreezeStats().TrafficWakes - before
-	r.TrafficWoken, r.TrafficAwake = Summarize(woken), Summarize(again)
-	if ctx.Err() != nil || len(up) == 0 {
-		return
-	}
-	// All at once, as a caller fanning one request out to every child.
-	waitFrozen(e, len(ids))
-	say("GET from every child's server at once, each woken from frozen by its packets")
-	burst := make([]float64, len(up))
-	errs := make([]error, len(up))
-	var wg sync.WaitGroup
-	start := time.Now()
-	for k, i := range up {
-		wg.Go(func() {
-			url := fmt.Sprintf("http://%s/", net.JoinHostPort(addrs[i], strconv.Itoa(TrafficPort)))
-			t := time.Now()
-			errs[k] = getPage(ctx, hc, url, ids[i])
-			burst[k] = msSince(t)
-		})
-	}
-	wg.Wait()
-	r.TrafficBurstWallMS = msSince(start)
-	r.TrafficWakes = e.FreezeStats().TrafficWakes - before
-	var ok []float64
-	for k, err := range errs {
-		if err != nil {
-			r.TrafficFailed++
-			say("GET at once in %s: %v", ids[up[k]], err)
-			continue
-		}
-		ok = append(ok, burst[k])
-	}
-	r.TrafficBurst = Summarize(ok)
-}
-
-// startServer starts busybox's HTTP server on TrafficPort in sandbox id,
-// in the background, serving a page that holds id.
-func startServer(ctx context.Context, e *sandbox.Engine, id string) error {
-	return withAgent(ctx, e, id, func(ctx context.Context, c *agent.Client) error {
-		var stderr bytes.Buffer
-		res, err := c.Exec(ctx, agent.ExecRequest{Shell: "mkdir -p /tmp/www && echo " + id + " > /tmp/www/index.html", Stderr: &stderr})
-		if err == nil && res.ExitCode != 0 {
-			err = fmt.Errorf("write the page: exit %d: %s", res.ExitCode, bytes.TrimSpace(stderr.Bytes()))
-		}
-		if err != nil {
-			return err
-		}
-		_, err = c.Exec(ctx, agent.ExecRequest{Args: []string{"busybox", "httpd", "-f", "-p", strconv.Itoa(TrafficPort), "-h", "/tmp/www"},
-			Background: true, Tag: "bench-httpd"})
-		return err
-	})
-}
-
-// getPage GETs url and checks that the page holds id.
-func getPage(ctx context.Context, hc *http.Client, url, id string) error {
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
-	if err != nil {
-		return err
-	}
-	resp, err := hc.Do(req)
-	if err != nil {
-		return err
-	}
-	defer resp.Body.Close()
-	body, err := io.ReadAll(io.LimitReader(resp.Body, 4096))
-	if err == nil && (resp.StatusCode != http.StatusOK || strings.TrimSpace(string(body)) != id) {
-		err = fmt.Errorf("%s: %s %q", url, resp.Status, body)
-	}
-	return err
 }
 
 // scaleReclaimed turns the idle watch's reclaim on (after d), waits until

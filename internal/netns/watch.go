@@ -112,5 +112,11 @@ func (w *InboundWatch) Wait() bool {
 	return err == nil && got
 }
 
-// Close ends the watch; a Wait returns false.
-func (w *InboundWatch) Close() error { return w.f.Close() }
+// Close ends the watch; a Wait returns false. Closing a nil watch does
+// nothing.
+func (w *InboundWatch) Close() error {
+	if w == nil {
+		return nil
+	}
+	return w.f.Close()
+}

@@ -307,8 +307,7 @@ func (e *Engine) thaw(id string, st *idleState, request bool) error {
 	e.idle.mu.Lock()
 	st.frozen, st.resync = false, true
 	e.idle.stats.Wakes++
-	w := st.watch
-	st.watch = nil
+	w := st.takeWatch()
 	if st.reclaimed {
 		e.idle.compactLater(time.Now())
 	}
@@ -333,9 +332,7 @@ func (e *Engine) thaw(id string, st *idleState, request bool) error {
 		st.pagingIn = true
 	}
 	e.idle.mu.Unlock()
-	if w != nil {
-		w.Close()
-	}
+	w.Close()
 	if pageIn {
 		go func() {
 			e.pageInHot(id, st, notes)
@@ -401,13 +398,11 @@ func (e *Engine) forgetIdle(id string) error {
 	}
 	var w *netns.InboundWatch
 	if st != nil {
-		w, st.watch = st.watch, nil
+		w = st.takeWatch()
 	}
 	delete(e.idle.m, id)
 	e.idle.mu.Unlock()
-	if w != nil {
-		w.Close()
-	}
+	w.Close()
 	return e.cfg.Cgroups.Thaw(id)
 }
 
@@ -587,17 +582,12 @@ func (e *Engine) freeze(id string) error {
 	if busy {
 		return nil
 	}
-	closeWatch := func() {
-		if w != nil {
-			w.Close()
-		}
-	}
 	if err := e.cfg.Cgroups.Freeze(id, pid.PID); err != nil {
-		closeWatch()
+		w.Close()
 		return err
 	}
 	if !proc.Alive(pid) {
-		closeWatch()
+		w.Close()
 		return errors.Join(errdefs.NotFound("sandbox %s: its VMM went away while it was frozen", id), e.cfg.Cgroups.Thaw(id))
 	}
 	e.idle.mu.Lock()
@@ -633,12 +623,10 @@ func (e *Engine) thawAll() {
 		var w *netns.InboundWatch
 		if st := e.idle.m[id]; st != nil {
 			st.frozen, st.hot = false, nil
-			w, st.watch = st.watch, nil
+			w = st.takeWatch()
 		}
 		e.idle.mu.Unlock()
-		if w != nil {
-			w.Close()
-		}
+		w.Close()
 		unlock()
 	}
 }

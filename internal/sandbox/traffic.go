@@ -46,14 +46,22 @@ func (e *Engine) watchTraffic(id string, st *idleState, w *netns.InboundWatch) {
 		e.wakeForTraffic(id)
 	}
 	e.idle.mu.Lock()
-	mine := st.watch == w
-	if mine {
-		st.watch = nil
+	if st.watch == w {
+		st.takeWatch()
+	} else {
+		w = nil // a thaw took and closed it
 	}
 	e.idle.mu.Unlock()
-	if mine {
-		w.Close()
-	}
+	w.Close()
+}
+
+// takeWatch removes st's watch and returns it (nil if none), for the
+// caller to close once it has released e.idle.mu. Called with e.idle.mu
+// held.
+func (st *idleState) takeWatch() *netns.InboundWatch {
+	w := st.watch
+	st.watch = nil
+	return w
 }
 
 // watchInbound starts a watch on the traffic towards the network of

@@ -20,18 +20,21 @@ import (
 const TrafficPort = 8000
 
 // scaleTraffic starts an HTTP server in each of ids, serving a page that
-// names the child, waits until the idle watch froze them all, and times a
-// GET of each child's page at its address (addrs, as ids) from the host,
-// then a second one.
+// names the child, and GETs it once from the host at the child's address
+// (addrs, as ids); waits until the idle watch froze them all, and times a
+// GET of each child's page, then a second one; then, all frozen again, a
+// GET of every child's page at once.
 func scaleTraffic(ctx context.Context, e *sandbox.Engine, ids, addrs []string, r *ScaleResult, say func(string, ...any)) {
 	say("an HTTP server in each child")
 	var up []int
+	urls := make([]string, len(ids))
 	for i, id := range ids {
 		if addrs[i] == "" {
 			r.TrafficFailed++
 			say("%s has no address", id)
 			continue
 		}
+		urls[i] = fmt.Sprintf("http://%s/", net.JoinHostPort(addrs[i], strconv.Itoa(TrafficPort)))
 		if err := startServer(ctx, e, id); err != nil {
 			r.TrafficFailed++
 			say("HTTP server in %s: %v", id, err)
@@ -45,10 +48,9 @@ func scaleTraffic(ctx context.Context, e *sandbox.Engine, ids, addrs []string, r
 	hc := &http.Client{Timeout: time.Minute, Transport: &http.Transport{DisableKeepAlives: true}}
 	served := up[:0]
 	for _, i := range up {
-		url := fmt.Sprintf("http://%s/", net.JoinHostPort(addrs[i], strconv.Itoa(TrafficPort)))
 		var err error
 		for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(100 * time.Millisecond) {
-			if err = getPage(ctx, hc, url, ids[i]); err == nil || ctx.Err() != nil || time.Now().After(deadline) {
+			if err = getPage(ctx, hc, urls[i], ids[i]); err == nil || ctx.Err() != nil || time.Now().After(deadline) {
 				break
 			}
 		}
@@ -66,28 +68,27 @@ func scaleTraffic(ctx context.Context, e *sandbox.Engine, ids, addrs []string, r
 	}
 	say("GET from each child's server, woken from frozen by the request's packets")
 	before := e.FreezeStats().TrafficWakes
+	defer func() { r.TrafficWakes = e.FreezeStats().TrafficWakes - before }()
 	var woken, again []float64
 	for _, i := range up {
 		if ctx.Err() != nil {
 			break
 		}
-		url := fmt.Sprintf("http://%s/", net.JoinHostPort(addrs[i], strconv.Itoa(TrafficPort)))
 		start := time.Now()
-		if err := getPage(ctx, hc, url, ids[i]); err != nil {
+		if err := getPage(ctx, hc, urls[i], ids[i]); err != nil {
 			r.TrafficFailed++
 			say("GET in %s: %v", ids[i], err)
 			continue
 		}
 		woken = append(woken, msSince(start))
 		start = time.Now()
-		if err := getPage(ctx, hc, url, ids[i]); err != nil {
+		if err := getPage(ctx, hc, urls[i], ids[i]); err != nil {
 			r.TrafficFailed++
 			say("second GET in %s: %v", ids[i], err)
 			continue
 		}
 		again = append(again, msSince(start))
 	}
-	r.TrafficWakes = e.FreezeStats().TrafficWakes - before
 	r.TrafficWoken, r.TrafficAwake = Summarize(woken), Summarize(again)
 	if ctx.Err() != nil || len(up) == 0 {
 		return
@@ -101,15 +102,13 @@ func scaleTraffic(ctx context.Context, e *sandbox.Engine, ids, addrs []string, r
 	start := time.Now()
 	for k, i := range up {
 		wg.Go(func() {
-			url := fmt.Sprintf("http://%s/", net.JoinHostPort(addrs[i], strconv.Itoa(TrafficPort)))
 			t := time.Now()
-			errs[k] = getPage(ctx, hc, url, ids[i])
+			errs[k] = getPage(ctx, hc, urls[i], ids[i])
 			burst[k] = msSince(t)
 		})
 	}
 	wg.Wait()
 	r.TrafficBurstWallMS = msSince(start)
-	r.TrafficWakes = e.FreezeStats().TrafficWakes - before
 	var ok []float64
 	for k, err := range errs {
 		if err != nil {

@@ -159,6 +159,9 @@ type idler struct {
 	// reclaimAfter is Config.IdleReclaim, or what SetIdleReclaim set.
 	// Guarded by mu.
 	reclaimAfter time.Duration
+	// unwatched is set by SetTrafficWatch(false): a freeze makes no
+	// watch and the idle tick reads the counter. Guarded by mu.
+	unwatched bool
 	// compactDue is when a paged-out sandbox woke or went with no zram
 	// compaction since (zero: none due); compacting is set while one
 	// runs, compacted is when the last one started, and noCompact once

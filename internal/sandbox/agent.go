@@ -24,17 +24,19 @@ func (e *Engine) heldAgent(ctx context.Context, id string, request bool) (c *age
 	}
 	if e.cfg.Daemon {
 		start := time.Now()
-		hold, resync, err := e.hold(id, request)
+		hold, clock, err := e.hold(id, request)
 		if err != nil {
 			return nil, nil, err
 		}
 		c, _, err := e.agent(ctx, id)
 		if err != nil {
+			e.clockDone(id, clock, false)
 			hold()
 			return nil, nil, err
 		}
-		if resync {
-			e.woken(ctx, id, c, start)
+		if err := e.settleClock(ctx, id, c, clock, start); err != nil {
+			hold()
+			return nil, nil, err
 		}
 		return c, hold, nil
 	}

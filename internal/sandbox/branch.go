@@ -115,11 +115,13 @@ func (e *Engine) Branch(ctx context.Context, spec BranchSpec) (*snapshot.Snapsho
 		}
 	}
 	defer release()
-	// Awake while it is branched: a frozen VMM answers no QMP.
-	awake, _, err := e.hold(spec.ID, false)
+	// Awake while it is branched: a frozen VMM answers no QMP. Its
+	// clock is left to its next client (children set theirs anyway).
+	awake, clock, err := e.hold(spec.ID, false)
 	if err != nil {
 		return nil, err
 	}
+	e.clockDone(spec.ID, clock, false)
 	defer awake()
 	sb, err := e.Get(ctx, spec.ID)
 	if err != nil {

@@ -7,8 +7,6 @@ import (
 	"sync"
 	"time"
 
-	"github.com/forkd/forkd/internal/agent"
-	"github.com/forkd/forkd/internal/agent/proto"
 	"github.com/forkd/forkd/internal/errdefs"
 	"github.com/forkd/forkd/internal/netns"
 	"github.com/forkd/forkd/internal/proc"
@@ -140,8 +138,10 @@ type idleState struct {
 	snap            string
 	firstOut, learn bool
 	// resync is set by a thaw: the next client of the sandbox tells the
-	// guest the time first.
-	resync bool
+	// guest the time first (takeClock). setting is open while a client
+	// does; the clients after it wait for it to close.
+	resync  bool
+	setting chan struct{}
 }
 
 // idler holds the idle state of the daemon's sandboxes.
@@ -254,14 +254,15 @@ func (e *Engine) showFrozen(sb *state.Sandbox) {
 
 // hold keeps sandbox id awake until the returned release: it thaws it if
 // it was frozen and counts it busy, so that the idle watch leaves it
-// alone. resync reports that the guest was frozen since its client last
-// told it the time. request says that the hold is a client's request to
+// alone. clock is what it owes the guest's clock: the guest was frozen
+// since a client last told it the time (clock.set), or another client is
+// telling it (clock.wait). request says that the hold is a client's request to
 // the guest, which ends with the release: only such a wake is noted for
 // the sandbox's siblings (a wake by inbound traffic ends before the guest
 // has handled it, and a branch reads all the guest's memory).
-func (e *Engine) hold(id string, request bool) (release func(), resync bool, err error) {
+func (e *Engine) hold(id string, request bool) (release func(), clock wakeClock, err error) {
 	if !e.canFreeze() {
-		return func() {}, false, nil
+		return func() {}, clock, nil
 	}
 	unlock := e.idle.locks.lock(id)
 	defer unlock()
@@ -290,13 +291,13 @@ func (e *Engine) hold(id string, request bool) (release func(), resync bool, err
 	if frozen {
 		if err := e.thaw(id, st, request); err != nil {
 			release()
-			return nil, false, err
+			return nil, clock, err
 		}
 	}
 	e.idle.mu.Lock()
-	resync, st.resync = st.resync, false
+	clock = st.takeClock()
 	e.idle.mu.Unlock()
-	return release, resync, nil
+	return release, clock, nil
 }
 
 // thaw thaws sandbox id's VMM, and starts reading back the pages its
@@ -366,25 +367,6 @@ func (e *Engine) pagingIn() bool {
 		}
 	}
 	return false
-}
-
-// woken tells a guest that was frozen the time, unless its clock kept
-// counting while it was frozen, and counts the wake's latency, from start
-// (the request's arrival) to now.
-func (e *Engine) woken(ctx context.Context, id string, c *agent.Client, start time.Time) {
-	set := !proto.ClockFollowsHost(c.Clocksource())
-	if set {
-		ictx, cancel := context.WithTimeout(ctx, 10*time.Second)
-		defer cancel()
-		if err := c.Init(ictx, proto.InitRequest{Time: time.Now()}); err != nil {
-			e.log.Warn("set the clock of a woken sandbox", "sandbox", id, "err", err)
-		}
-	}
-	d := time.Since(start)
-	e.idle.mu.Lock()
-	e.idle.stats.WakeSeconds += d.Seconds()
-	e.idle.mu.Unlock()
-	e.log.Debug("sandbox woken", "sandbox", id, "ms", d.Milliseconds(), "clock_set", set)
 }
 
 // forgetIdle drops sandbox id from the idle watch, thawing its VMM first

@@ -370,12 +370,17 @@ func (e *Engine) pagingIn() bool {
 }
 
 // forgetIdle drops sandbox id from the idle watch, thawing its VMM first
-// if it was frozen (a task frozen by cgroup v1 ignores SIGKILL).
+// if it was frozen (a task frozen by cgroup v1 ignores SIGKILL). One
+// whose thaw fails stays in the watch, frozen, for a later request or
+// kill to thaw.
 func (e *Engine) forgetIdle(id string) error {
 	if e.cfg.Cgroups == nil || !e.cfg.Cgroups.CanFreeze() {
 		return nil
 	}
 	defer e.idle.locks.lock(id)()
+	if err := e.cfg.Cgroups.Thaw(id); err != nil {
+		return err
+	}
 	e.idle.mu.Lock()
 	st := e.idle.m[id]
 	if st != nil && st.swapped {
@@ -388,7 +393,7 @@ func (e *Engine) forgetIdle(id string) error {
 	delete(e.idle.m, id)
 	e.idle.mu.Unlock()
 	w.Close()
-	return e.cfg.Cgroups.Thaw(id)
+	return nil
 }
 
 // RunIdle freezes idle sandboxes and wakes frozen ones that get inbound

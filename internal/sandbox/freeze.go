@@ -437,6 +437,12 @@ func (e *Engine) rescanIdle() {
 	}
 	now := time.Now()
 	seen := map[string]bool{}
+	var gone []*netns.InboundWatch // closed once mu is released
+	defer func() {
+		for _, w := range gone {
+			w.Close()
+		}
+	}()
 	e.idle.mu.Lock()
 	defer e.idle.mu.Unlock()
 	for _, sb := range list {
@@ -455,8 +461,15 @@ func (e *Engine) rescanIdle() {
 		}
 	}
 	for id, st := range e.idle.m {
-		// A sandbox held by a request may not be recorded yet.
-		if !seen[id] && !st.frozen && st.busy == 0 {
+		switch {
+		case seen[id] || st.busy > 0:
+			// A sandbox held by a request may not be recorded yet.
+		case !st.frozen:
+			delete(e.idle.m, id)
+		case !proc.Alive(st.pid):
+			// Its VMM died frozen (cgroup v2 lets SIGKILL through):
+			// nothing is left to wake, and its kill finds no entry.
+			gone = append(gone, st.takeWatch())
 			delete(e.idle.m, id)
 		}
 	}

@@ -436,3 +436,25 @@ func TestSiblingPageIn(t *testing.T) {
 		t.Fatalf("siblings' notes kept with no sandbox left: %v", e.idle.siblings)
 	}
 }
+
+// The idle watch drops a frozen sandbox that is no longer recorded
+// running once its VMM is gone (one killed while frozen: cgroup v2 lets
+// SIGKILL through), and keeps one whose VMM still runs (being killed, or
+// its record not written yet).
+func TestRescanDropsFrozenDead(t *testing.T) {
+	e := fakeEngine(t)
+	self, err := proc.Self(os.Getpid())
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.idle.m["dead"] = &idleState{frozen: true, slot: -1, pid: proc.Identity{PID: self.PID, StartTime: self.StartTime + 1}}
+	e.idle.m["alive"] = &idleState{frozen: true, slot: -1, pid: self}
+	e.idle.m["idle"] = &idleState{slot: -1, pid: self}
+	e.rescanIdle()
+	_, dead := e.idle.m["dead"]
+	_, alive := e.idle.m["alive"]
+	_, idle := e.idle.m["idle"]
+	if dead || !alive || idle {
+		t.Fatalf("after a rescan: dead kept %v, alive kept %v, unfrozen unrecorded kept %v; want false, true, false", dead, alive, idle)
+	}
+}

@@ -25,7 +25,10 @@ func scaleReclaimed(ctx context.Context, e *sandbox.Engine, ids []string, pids [
 		return nil
 	}
 	say("waiting for the idle watch to freeze them and page them out (after %s)", d)
-	if r.AllReclaimedMS, r.Reclaimed = pageOutAll(e, len(ids), d); r.Reclaimed == 0 {
+	if r.AllReclaimedMS, r.Reclaimed = pageOutAll(ctx, e, len(ids), d, say); r.Reclaimed == 0 {
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
 		say("nothing was paged out (the daemon's log says why)")
 		return nil
 	}
@@ -48,7 +51,7 @@ func scaleReclaimed(ctx context.Context, e *sandbox.Engine, ids []string, pids [
 	// Reclaim stays off: the daemon pages a child out once per freeze
 	// of IdleReclaim, so one that is woken again sooner finds its pages
 	// as the last wake left them.
-	waitFrozen(e, len(ids))
+	waitFrozen(ctx, e, len(ids), say)
 	say("exec in each child again, woken from frozen, not paged out again")
 	r.ExecAfterReclaim, r.ExecAwakeAfterReclaim, r.MeanWakeAfterReclaimMS, failed = execEach(ctx, e, ids, say)
 	r.ExecFailed += failed
@@ -84,7 +87,10 @@ func scaleReclaimed(ctx context.Context, e *sandbox.Engine, ids []string, pids [
 // It returns how many execs failed too.
 func reclaimRound(ctx context.Context, e *sandbox.Engine, ids []string, pids []int, d time.Duration, nth string, say func(string, ...any)) (*ReclaimRound, int, error) {
 	var rr ReclaimRound
-	if rr.AllReclaimedMS, rr.Reclaimed = pageOutAll(e, len(ids), d); rr.Reclaimed == 0 {
+	if rr.AllReclaimedMS, rr.Reclaimed = pageOutAll(ctx, e, len(ids), d, say); rr.Reclaimed == 0 {
+		if ctx.Err() != nil {
+			return nil, 0, ctx.Err()
+		}
 		say("nothing was paged out the %s time (the daemon's log says why)", nth)
 		return &rr, 0, nil
 	}
@@ -118,15 +124,14 @@ func pageInsSince(before, after sandbox.FreezeStats) (n int64, mib, ms float64) 
 // for half a minute (swap full), and off again: a child woken early in an
 // exec round after must not be paged out again before the memory after it
 // is measured. It returns how long the page-outs took, in ms, and how many
-// sandboxes they left paged out.
-func pageOutAll(e *sandbox.Engine, n int, d time.Duration) (ms float64, reclaimed int) {
-	waitFrozen(e, n)
+// sandboxes they left paged out; it stops waiting once ctx ends.
+func pageOutAll(ctx context.Context, e *sandbox.Engine, n int, d time.Duration, say func(string, ...any)) (ms float64, reclaimed int) {
+	waitFrozen(ctx, e, n, say)
 	want := e.FreezeStats().Frozen
 	e.SetIdleReclaim(d)
 	defer e.SetIdleReclaim(0)
 	start, got, grew := time.Now(), 0, time.Now()
-	for got < want && time.Since(grew) < d+30*time.Second {
-		time.Sleep(100 * time.Millisecond)
+	for got < want && time.Since(grew) < d+30*time.Second && pause(ctx) {
 		if m := e.FreezeStats().Reclaimed; m > got {
 			got, grew = m, time.Now()
 		}

@@ -265,7 +265,7 @@ func RunScale(ctx context.Context, e *sandbox.Engine, o ScaleOptions) (*ScaleRes
 	if err := warmFork(ctx, e, sandbox.ForkSpec{Tag: tag, N: 1}); err != nil {
 		return nil, err
 	}
-	r.PoolFirst = waitPool(e, tag, cfg.Pool, time.Minute)
+	r.PoolFirst = waitPool(ctx, e, tag, cfg.Pool, time.Minute)
 	say("first fork of %d in one call, pool %d (load %.1f)", o.N, r.PoolFirst, load1())
 	if err := firstFork(ctx, e, tag, o.N, r); err != nil {
 		return nil, err
@@ -275,7 +275,7 @@ func RunScale(ctx context.Context, e *sandbox.Engine, o ScaleOptions) (*ScaleRes
 	start := time.Now()
 	want := min(o.N, max(cfg.PoolMax, cfg.Pool))
 	say("refill the pool to %d", want)
-	r.Pool = waitPool(e, tag, want, refillTime(want))
+	r.Pool = waitPool(ctx, e, tag, want, refillTime(want))
 	r.PoolRefillMS = msSince(start)
 
 	r.Load1Before = load1()
@@ -334,7 +334,7 @@ func RunScale(ctx context.Context, e *sandbox.Engine, o ScaleOptions) (*ScaleRes
 	r.ChildPrivateMiB = Summarize(priv)
 
 	refilled := func() bool {
-		if waitPool(e, tag, want, refillTime(want)) < want {
+		if waitPool(ctx, e, tag, want, refillTime(want)) < want {
 			return false
 		}
 		r.PoolFullRefillMS = msSince(forked)
@@ -355,16 +355,19 @@ func RunScale(ctx context.Context, e *sandbox.Engine, o ScaleOptions) (*ScaleRes
 
 // waitPool waits up to d until tag's pool holds want VMMs, or stops
 // growing for half a minute (a park failed, or the host's memory is low),
-// and returns how many it holds.
-func waitPool(e *sandbox.Engine, tag string, want int, d time.Duration) int {
+// or ctx ends, and returns how many it holds.
+func waitPool(ctx context.Context, e *sandbox.Engine, tag string, want int, d time.Duration) int {
 	n, grew := 0, time.Now()
-	for start := time.Now(); time.Since(start) < d && time.Since(grew) < 30*time.Second; time.Sleep(100 * time.Millisecond) {
+	for start := time.Now(); time.Since(start) < d && time.Since(grew) < 30*time.Second; {
 		parked, _ := e.PoolStats()
 		if parked[tag] >= want {
 			return parked[tag]
 		}
 		if parked[tag] > n {
 			n, grew = parked[tag], time.Now()
+		}
+		if !pause(ctx) {
+			break
 		}
 	}
 	parked, _ := e.PoolStats()
@@ -420,7 +423,7 @@ func scaleFrozen(ctx context.Context, e *sandbox.Engine, ids, addrs []string, pi
 	go func() { defer close(done); e.RunIdle(ictx) }()
 	defer func() { stop(); <-done }()
 	say("waiting for the idle watch to freeze them")
-	r.AllFrozenMS = waitFrozen(e, len(ids))
+	r.AllFrozenMS = waitFrozen(ctx, e, len(ids), say)
 	st := e.FreezeStats()
 	r.Frozen, r.FrozenWatched = st.Frozen, st.Watched
 	if r.Frozen == 0 {
@@ -434,9 +437,12 @@ func scaleFrozen(ctx context.Context, e *sandbox.Engine, ids, addrs []string, pi
 	}
 	say("exec in each child, woken from frozen, while the pool refills")
 	r.ExecRoundtrip, r.ExecAwake, r.MeanWakeMS, r.ExecFailed = execEach(ctx, e, ids, say)
+	if ctx.Err() != nil {
+		return ctx.Err()
+	}
 	say("waiting for the pool to refill")
 	if refilled() {
-		waitFrozen(e, len(ids))
+		waitFrozen(ctx, e, len(ids), say)
 		say("CPU of the daemon over %s, every child frozen and the pool full", o.IdleFor)
 		pct, err := idleCPU(ctx, []int{os.Getpid()}, o.IdleFor)
 		if err != nil {
@@ -455,29 +461,46 @@ func scaleFrozen(ctx context.Context, e *sandbox.Engine, ids, addrs []string, pi
 	if err := scaleReclaimed(ctx, e, ids, pids, o.IdleReclaim, r, say); err != nil {
 		return err
 	}
-	if r.Network {
+	if r.Network && ctx.Err() == nil {
 		scaleTraffic(ctx, e, ids, addrs, r, say)
 	}
-	return nil
+	// A step that ctx ended measured only part of the children.
+	return ctx.Err()
 }
 
-// waitFrozen waits up to two minutes until the idle watch shows n
-// sandboxes frozen, and returns how long it waited, in ms.
-func waitFrozen(e *sandbox.Engine, n int) float64 {
+// waitFrozen waits up to two minutes, or until ctx ends, for the idle
+// watch to show n sandboxes frozen, says so when fewer are, and returns
+// how long it waited, in ms.
+func waitFrozen(ctx context.Context, e *sandbox.Engine, n int, say func(string, ...any)) float64 {
 	start := time.Now()
-	for e.FreezeStats().Frozen < n && time.Since(start) < 2*time.Minute {
-		time.Sleep(100 * time.Millisecond)
+	for e.FreezeStats().Frozen < n && time.Since(start) < 2*time.Minute && pause(ctx) {
+	}
+	if f := e.FreezeStats().Frozen; f < n && ctx.Err() == nil {
+		say("only %d of %d children froze: the next requests find the others awake", f, n)
 	}
 	return msSince(start)
 }
 
+// pause sleeps a tenth of a second and reports whether ctx is still on.
+func pause(ctx context.Context) bool {
+	select {
+	case <-ctx.Done():
+		return false
+	case <-time.After(100 * time.Millisecond):
+		return true
+	}
+}
+
 // execEach times an exec of `true` in each of ids in turn (waking it when
 // frozen), then a second one (awake), and returns both, the mean wake
-// and how many first execs failed.
+// and how many first execs failed. It stops once ctx ends.
 func execEach(ctx context.Context, e *sandbox.Engine, ids []string, say func(string, ...any)) (woken, awake Summary, meanWakeMS float64, failed int) {
 	before := e.FreezeStats()
 	var rts, again []float64
 	for _, id := range ids {
+		if ctx.Err() != nil {
+			break
+		}
 		start := time.Now()
 		if err := execTrue(ctx, e, id); err != nil {
 			failed++

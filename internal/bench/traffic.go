@@ -62,10 +62,7 @@ func scaleTraffic(ctx context.Context, e *sandbox.Engine, ids, addrs []string, r
 		served = append(served, i)
 	}
 	up = served
-	waitFrozen(e, len(ids))
-	if n := e.FreezeStats().Frozen; n < len(ids) {
-		say("only %d of %d children froze: the others' GETs find them awake", n, len(ids))
-	}
+	waitFrozen(ctx, e, len(ids), say)
 	say("GET from each child's server, woken from frozen by the request's packets")
 	before := e.FreezeStats().TrafficWakes
 	defer func() { r.TrafficWakes = e.FreezeStats().TrafficWakes - before }()
@@ -94,7 +91,7 @@ func scaleTraffic(ctx context.Context, e *sandbox.Engine, ids, addrs []string, r
 		return
 	}
 	// All at once, as a caller fanning one request out to every child.
-	waitFrozen(e, len(ids))
+	waitFrozen(ctx, e, len(ids), say)
 	say("GET from every child's server at once, each woken from frozen by its packets")
 	burst := make([]float64, len(up))
 	errs := make([]error, len(up))

@@ -345,8 +345,8 @@ func TestBenchScaleJSON(t *testing.T) {
 	}
 	// With a network each child's server answers a GET that wakes it: its
 	// packets did.
-	if r.Network && (r.TrafficFailed != 0 || r.TrafficWoken.N != 3 || r.TrafficWoken.P50 <= 0 || r.TrafficAwake.N != 3 || r.TrafficWakes != 6 || r.TrafficBurst.N != 3) {
-		t.Errorf("traffic: %d failed, %d traffic wakes, woken %+v, awake %+v, at once %+v", r.TrafficFailed, r.TrafficWakes, r.TrafficWoken, r.TrafficAwake, r.TrafficBurst)
+	if r.Network && (r.TrafficFailed != 0 || r.TrafficBurstFailed != 0 || r.TrafficWoken.N != 3 || r.TrafficWoken.P50 <= 0 || r.TrafficAwake.N != 3 || r.TrafficWakes != 6 || r.TrafficBurst.N != 3 || r.TrafficBurstWallMS <= 0) {
+		t.Errorf("traffic: %d failed (%d at once), %d traffic wakes, woken %+v, awake %+v, at once %+v (last after %.0f ms)", r.TrafficFailed, r.TrafficBurstFailed, r.TrafficWakes, r.TrafficWoken, r.TrafficAwake, r.TrafficBurst, r.TrafficBurstWallMS)
 	}
 	if out := c.ok("ls", "--json"); !strings.Contains(out, `"sandboxes": []`) {
 		t.Errorf("bench left sandboxes: %s", out)

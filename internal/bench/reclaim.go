@@ -104,7 +104,9 @@ func reclaimRound(ctx context.Context, e *sandbox.Engine, ids []string, pids []i
 	rr.Exec, rr.ExecAwake, rr.MeanWakeMS, failed = execEach(ctx, e, ids, say)
 	e.WaitPageIns()
 	rr.PageIns, rr.PageInMiB, rr.PageInMS = pageInsSince(before, e.FreezeStats())
-	rr.Relearned = max(rr.Reclaimed-int(rr.PageIns), 0)
+	// A woken child that read nothing back learns afresh; a failed exec
+	// woke none.
+	rr.Relearned = max(rr.Exec.N-int(rr.PageIns), 0)
 	rr.AfterWakeMemory, err = childMemory(pids)
 	return &rr, failed, err
 }

@@ -105,6 +105,8 @@ type ScaleResult struct {
 
 	// Exec of `true` in every child in turn, each frozen before (its
 	// wake included), through the daemon's engine.
+	// ExecFailed counts the execs that failed, in every round here and
+	// below, first or second.
 	ExecRoundtrip Summary `json:"exec_roundtrip_ms"`
 	ExecFailed    int     `json:"exec_failed"`
 	MeanWakeMS    float64 `json:"mean_wake_ms"`
@@ -191,9 +193,10 @@ type ScaleResult struct {
 	TrafficFailed int     `json:"traffic_failed"`
 	// Then every child frozen again and a GET to each at once:
 	// TrafficBurst is each GET's time, TrafficBurstWallMS the time until
-	// the last answered.
+	// the last answered, TrafficBurstFailed how many GETs failed.
 	TrafficBurst       Summary `json:"traffic_burst_ms"`
 	TrafficBurstWallMS float64 `json:"traffic_burst_wall_ms"`
+	TrafficBurstFailed int     `json:"traffic_burst_failed"`
 
 	KillAllMS float64 `json:"kill_all_ms"`
 }
@@ -493,7 +496,7 @@ func pause(ctx context.Context) bool {
 
 // execEach times an exec of `true` in each of ids in turn (waking it when
 // frozen), then a second one (awake), and returns both, the mean wake
-// and how many first execs failed. It stops once ctx ends.
+// and how many execs failed, first or second. It stops once ctx ends.
 func execEach(ctx context.Context, e *sandbox.Engine, ids []string, say func(string, ...any)) (woken, awake Summary, meanWakeMS float64, failed int) {
 	before := e.FreezeStats()
 	var rts, again []float64
@@ -509,9 +512,12 @@ func execEach(ctx context.Context, e *sandbox.Engine, ids []string, say func(str
 		}
 		rts = append(rts, msSince(start))
 		start = time.Now()
-		if err := execTrue(ctx, e, id); err == nil {
-			again = append(again, msSince(start))
+		if err := execTrue(ctx, e, id); err != nil {
+			failed++
+			say("second exec in %s: %v", id, err)
+			continue
 		}
+		again = append(again, msSince(start))
 	}
 	if after := e.FreezeStats(); after.Wakes > before.Wakes {
 		meanWakeMS = 1000 * (after.WakeSeconds - before.WakeSeconds) / float64(after.Wakes-before.Wakes)

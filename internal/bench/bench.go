@@ -292,7 +292,7 @@ func Run(ctx context.Context, e *sandbox.Engine, o Options) (*Result, error) {
 // nil): the measurements stand, but what the run made may be left over.
 func cleanupFailed(o Options, what string, err error) {
 	if err != nil {
-		fmt.Fprintf(o.Progress, "bench: cleanup: %s: %v\n", what, err)
+		progress(o.Progress)("cleanup: %s: %v", what, err)
 	}
 }
 

@@ -296,6 +296,24 @@ func RunScale(ctx context.Context, e *sandbox.Engine, o ScaleOptions) (*ScaleRes
 	if err != nil && fr == nil {
 		return nil, err
 	}
+	// The pool refills behind the fork while the steps below run: timed
+	// when it is full, not when a step next looks.
+	full := make(chan float64, 1) // ms after the fork; 0: not refilled
+	rctx, stopRefill := context.WithCancel(ctx)
+	go func() {
+		ms := 0.0
+		if waitPool(rctx, e, tag, want, refillTime(want)) >= want {
+			ms = msSince(forked)
+		}
+		full <- ms
+	}()
+	defer func() { stopRefill(); <-full }()
+	refilled := func() bool {
+		ms := <-full
+		full <- ms // for the deferred wait
+		r.PoolFullRefillMS = ms
+		return ms > 0
+	}
 	r.ForkWallMS = fr.WallMS
 	var ready []float64
 	var ids, addrs []string
@@ -336,13 +354,6 @@ func RunScale(ctx context.Context, e *sandbox.Engine, o ScaleOptions) (*ScaleRes
 	}
 	r.ChildPrivateMiB = Summarize(priv)
 
-	refilled := func() bool {
-		if waitPool(ctx, e, tag, want, refillTime(want)) < want {
-			return false
-		}
-		r.PoolFullRefillMS = msSince(forked)
-		return true
-	}
 	if err := scaleFrozen(ctx, e, ids, addrs, pids, o, r, refilled, say); err != nil {
 		return nil, err
 	}

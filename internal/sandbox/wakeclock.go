@@ -52,20 +52,30 @@ func (e *Engine) clockDone(id string, c wakeClock, set bool) {
 
 // settleClock pays what a hold owes the guest's clock (c is sandbox id's
 // client; start is when the request came): it tells the guest the time
-// if the hold took that on, or waits until the client that did has. Only
-// ctx ending while it waits fails it.
+// if the hold took that on, or waits until the client that did has, and
+// takes it on if that one failed. Only ctx ending while it waits fails it.
 func (e *Engine) settleClock(ctx context.Context, id string, c *agent.Client, clock wakeClock, start time.Time) error {
-	switch {
-	case clock.set != nil:
-		e.clockDone(id, clock, e.woken(ctx, id, c, start))
-	case clock.wait != nil:
-		select {
-		case <-clock.wait:
-		case <-ctx.Done():
-			return ctx.Err()
+	for {
+		switch {
+		case clock.set != nil:
+			e.clockDone(id, clock, e.woken(ctx, id, c, start))
+			return nil
+		case clock.wait != nil:
+			select {
+			case <-clock.wait:
+			case <-ctx.Done():
+				return ctx.Err()
+			}
+			e.idle.mu.Lock()
+			clock = wakeClock{}
+			if st := e.idle.m[id]; st != nil {
+				clock = st.takeClock()
+			}
+			e.idle.mu.Unlock()
+		default:
+			return nil
 		}
 	}
-	return nil
 }
 
 // woken tells a guest that was frozen the time, unless its clock kept

@@ -71,8 +71,11 @@ type FreezeStats struct {
 	// WakeSeconds is the sum of the wakes' latencies (thaw and clock
 	// resync), for a mean.
 	WakeSeconds float64 `json:"wake_seconds"`
-	Reclaimed   int     `json:"reclaimed"` // frozen sandboxes paged out now
-	Reclaims    int64   `json:"reclaims"`  // page-outs that moved memory to swap
+	// ClockSets counts the wakes after which the guest was told the time
+	// (its clocksource does not follow the host's).
+	ClockSets int64 `json:"clock_sets"`
+	Reclaimed int   `json:"reclaimed"` // frozen sandboxes paged out now
+	Reclaims  int64 `json:"reclaims"`  // page-outs that moved memory to swap
 	// SwappedBytes is what the page-outs moved to swap, summed.
 	SwappedBytes int64 `json:"swapped_bytes"`
 	// ZramCompactions counts the compactions of zram's pools the idle
@@ -160,8 +163,9 @@ type idler struct {
 	// Guarded by mu.
 	reclaimAfter time.Duration
 	// unwatched is set by SetTrafficWatch(false): a freeze makes no
-	// watch and the idle tick reads the counter. Guarded by mu.
-	unwatched bool
+	// watch and the idle tick reads the counter; setClock by
+	// SetClockAfterWake(true). Guarded by mu.
+	unwatched, setClock bool
 	// compactDue is when a paged-out sandbox woke or went with no zram
 	// compaction since (zero: none due); compacting is set while one
 	// runs, compacted is when the last one started, and noCompact once

@@ -83,7 +83,9 @@ func (e *Engine) settleClock(ctx context.Context, id string, c *agent.Client, cl
 // (the request's arrival) to now, and reports whether the guest's clock
 // is right.
 func (e *Engine) woken(ctx context.Context, id string, c *agent.Client, start time.Time) (ok bool) {
-	set := !proto.ClockFollowsHost(c.Clocksource())
+	e.idle.mu.Lock()
+	set := e.idle.setClock || !proto.ClockFollowsHost(c.Clocksource())
+	e.idle.mu.Unlock()
 	ok = true
 	if set {
 		ictx, cancel := context.WithTimeout(ctx, 10*time.Second)
@@ -96,7 +98,20 @@ func (e *Engine) woken(ctx context.Context, id string, c *agent.Client, start ti
 	d := time.Since(start)
 	e.idle.mu.Lock()
 	e.idle.stats.WakeSeconds += d.Seconds()
+	if set && ok {
+		e.idle.stats.ClockSets++
+	}
 	e.idle.mu.Unlock()
 	e.log.Debug("sandbox woken", "sandbox", id, "ms", d.Milliseconds(), "clock_set", set)
 	return ok
+}
+
+// SetClockAfterWake makes every wake from now on tell the guest the time,
+// as for a guest whose clocksource does not follow the host's (true), or
+// only those (false, the default). For tests, whose guests keep time by
+// the TSC.
+func (e *Engine) SetClockAfterWake(always bool) {
+	e.idle.mu.Lock()
+	defer e.idle.mu.Unlock()
+	e.idle.setClock = always
 }

@@ -8,6 +8,7 @@ import (
 	"os"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -178,6 +179,45 @@ func TestIdleFreezeVM(t *testing.T) {
 		defer release()
 		if !proto.ClockFollowsHost(ac.Clocksource()) {
 			t.Errorf("guest clocksource %q: the wake set its clock, the path without a set is untested", ac.Clocksource())
+		}
+	})
+	// A guest whose clock stops while frozen is told the time by the
+	// first request after the wake; one that comes meanwhile waits for
+	// it. These guests keep time by the TSC, so the daemon is told to set
+	// it anyway.
+	t.Run("clock set once for two requests", func(t *testing.T) {
+		d.e.SetClockAfterWake(true)
+		defer d.e.SetClockAfterWake(false)
+		frozen(t, id)
+		before := d.e.FreezeStats()
+		var wg sync.WaitGroup
+		outs := make([]string, 2)
+		errs := make([]error, 2)
+		for i := range 2 {
+			wg.Go(func() {
+				r, err := c.Exec(ctx, id, apiv1.ExecRequest{Args: []string{"date", "+%s"}})
+				if err == nil {
+					outs[i] = strings.TrimSpace(r.Stdout)
+				}
+				errs[i] = err
+			})
+		}
+		wg.Wait()
+		after := d.e.FreezeStats()
+		for i, err := range errs {
+			if err != nil {
+				t.Fatal(err)
+			}
+			guest, err := strconv.ParseInt(outs[i], 10, 64)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if skew := time.Now().Unix() - guest; skew < -2 || skew > 2 {
+				t.Errorf("request %d: guest clock %d, %d s off the host's", i, guest, skew)
+			}
+		}
+		if n, sets := after.Wakes-before.Wakes, after.ClockSets-before.ClockSets; n != 1 || sets != 1 {
+			t.Errorf("two requests on a frozen child: %d wakes, %d clock sets; want 1 and 1", n, sets)
 		}
 	})
 	t.Run("files", func(t *testing.T) {
@@ -358,7 +398,7 @@ func TestIdleFreezeVM(t *testing.T) {
 	})
 	t.Run("metrics", func(t *testing.T) {
 		st := d.e.FreezeStats()
-		if st.Freezes < 7 || st.Wakes < 7 || st.WakeSeconds <= 0 {
+		if st.Freezes < 7 || st.Wakes < 7 || st.WakeSeconds <= 0 || st.ClockSets < 1 {
 			t.Errorf("freeze stats %+v after seven wakes", st)
 		}
 		t.Logf("freeze stats %+v: mean wake %.0f ms", st, 1000*st.WakeSeconds/float64(st.Wakes))

@@ -95,6 +95,7 @@ func newMetrics(s *Server, reg *prometheus.Registry) *metrics {
 		{"forkd_sandbox_freezes_total", "Idle sandboxes frozen.", false, func(st sandbox.FreezeStats) float64 { return float64(st.Freezes) }},
 		{"forkd_sandbox_wakes_total", "Frozen sandboxes woken by a request or inbound traffic.", false, func(st sandbox.FreezeStats) float64 { return float64(st.Wakes) }},
 		{"forkd_sandbox_traffic_wakes_total", "Wakes that inbound traffic asked for.", false, func(st sandbox.FreezeStats) float64 { return float64(st.TrafficWakes) }},
+		{"forkd_sandbox_clock_sets_total", "Wakes after which the guest was told the time (its clock does not follow the host's).", false, func(st sandbox.FreezeStats) float64 { return float64(st.ClockSets) }},
 		{"forkd_sandbox_wake_seconds_total", "Time wakes took, from the request to the guest's clock set (mean: divide by forkd_sandbox_wakes_total).", false, func(st sandbox.FreezeStats) float64 { return st.WakeSeconds }},
 		{"forkd_sandboxes_reclaimed", "Frozen sandboxes whose VMM memory was paged out (serve --idle-reclaim).", true, func(st sandbox.FreezeStats) float64 { return float64(st.Reclaimed) }},
 		{"forkd_sandbox_reclaims_total", "Page-outs of frozen sandboxes' VMMs that moved memory to swap.", false, func(st sandbox.FreezeStats) float64 { return float64(st.Reclaims) }},

@@ -250,6 +250,7 @@ func (e *Engine) forkOne(ctx context.Context, snap *snapshot.Snapshot, spec Fork
 
 		OnUnresponsive: spec.OnUnresponsive,
 		IdleFreezeSecs: spec.IdleFreezeSecs,
+		GuestPIDsLimit: spec.GuestPIDsLimit,
 		Batch:          spec.batch,
 	}
 	if spec.Limits != nil {

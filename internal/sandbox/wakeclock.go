@@ -90,7 +90,13 @@ func (e *Engine) woken(ctx context.Context, id string, c *agent.Client, start ti
 	if set {
 		ictx, cancel := context.WithTimeout(ctx, 10*time.Second)
 		defer cancel()
-		if err := c.Init(ictx, proto.InitRequest{Time: time.Now()}); err != nil {
+		// An init applies a pids limit too (0: the agent's default):
+		// the one the sandbox was forked with.
+		sb, err := e.state.Get(id)
+		if err == nil {
+			err = c.Init(ictx, proto.InitRequest{Time: time.Now(), PIDsLimit: sb.GuestPIDsLimit})
+		}
+		if err != nil {
 			e.log.Warn("set the clock of a woken sandbox", "sandbox", id, "err", err)
 			ok = false
 		}

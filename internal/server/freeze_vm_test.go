@@ -53,6 +53,7 @@ func TestIdleFreezeVM(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
 	defer cancel()
 	c := d.tcp
+	const guestPIDs = 512 // each child's cap on tasks in its guest
 
 	network := true
 	op, err := c.CreateSnapshot(ctx, apiv1.CreateSnapshotRequest{Tag: "py", Image: "python", MemoryMiB: 256, Network: &network})
@@ -63,7 +64,8 @@ func TestIdleFreezeVM(t *testing.T) {
 		t.Fatalf("snapshot: %+v %v", op, err)
 	}
 	res, err := c.CreateSandboxes(ctx, apiv1.CreateSandboxesRequest{SnapshotTag: "py", N: 2,
-		Network: &apiv1.NetworkSpec{Publish: []int{8000}}})
+		GuestPIDsLimit: guestPIDs,
+		Network:        &apiv1.NetworkSpec{Publish: []int{8000}}})
 	if err != nil || len(res.Sandboxes) != 2 {
 		t.Fatalf("create: %+v %v", res, err)
 	}
@@ -218,6 +220,15 @@ func TestIdleFreezeVM(t *testing.T) {
 		}
 		if n, sets := after.Wakes-before.Wakes, after.ClockSets-before.ClockSets; n != 1 || sets != 1 {
 			t.Errorf("two requests on a frozen child: %d wakes, %d clock sets; want 1 and 1", n, sets)
+		}
+		// The clock set is an init, which applies a pids limit too: the
+		// child's own, not the agent's default.
+		r, err := c.Exec(ctx, id, apiv1.ExecRequest{Args: []string{"cat", "/sys/fs/cgroup/workload/pids.max"}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := strings.TrimSpace(r.Stdout); got != strconv.Itoa(guestPIDs) {
+			t.Errorf("guest pids.max %q after the clock set, want %d", got, guestPIDs)
 		}
 	})
 	t.Run("files", func(t *testing.T) {

@@ -80,6 +80,10 @@ type Sandbox struct {
 	// inbound traffic before the daemon freezes it: 0 follows the
 	// daemon's --idle-freeze, -1 never.
 	IdleFreezeSecs int `json:"idle_freeze_secs,omitempty"`
+	// GuestPIDsLimit is the cap on tasks inside the guest its agent was
+	// given at the fork (0: the agent's default); a later init (the
+	// clock set after a wake) gives it again.
+	GuestPIDsLimit int `json:"guest_pids_limit,omitempty"`
 	// Extra holds records owned by other packages, keyed by package.
 	Extra map[string]json.RawMessage `json:"extra,omitempty"`
 }

@@ -307,6 +307,9 @@ func TestBenchScaleJSON(t *testing.T) {
 	if r.FrozenDaemonCPUCores < 0 || r.FrozenDaemonCPUCores > 0.5 {
 		t.Errorf("daemon CPU with every child frozen: %.3f cores", r.FrozenDaemonCPUCores)
 	}
+	if r.ChildrenLost != 0 {
+		t.Errorf("%d children's VMMs went away during the run", r.ChildrenLost)
+	}
 	if r.ForkWallMS <= 0 || r.PoolFullRefillMS <= 0 || r.KillAllMS <= 0 {
 		t.Errorf("fork wall %v, pool full after %v, kill all %v", r.ForkWallMS, r.PoolFullRefillMS, r.KillAllMS)
 	}

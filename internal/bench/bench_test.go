@@ -2,6 +2,8 @@ package bench
 
 import (
 	"context"
+	"os"
+	"os/exec"
 	"strings"
 	"testing"
 	"time"
@@ -34,5 +36,26 @@ func TestRunRefusesBadOptions(t *testing.T) {
 				t.Errorf("%v, want InvalidArgument naming %q", err, c.want)
 			}
 		})
+	}
+}
+
+// living keeps the processes that still run and counts the others, the
+// most seen so far; none left is an error.
+func TestLiving(t *testing.T) {
+	gone := exec.Command("true")
+	if err := gone.Run(); err != nil {
+		t.Fatal(err)
+	}
+	self, dead := os.Getpid(), gone.Process.Pid
+	lost := 0
+	live, err := living([]int{self, dead}, &lost)
+	if err != nil || len(live) != 1 || live[0] != self || lost != 1 {
+		t.Fatalf("living(self, a dead one) = %v, %v, lost %d; want [%d], nil, 1", live, err, lost, self)
+	}
+	if _, err := living([]int{self}, &lost); err != nil || lost != 1 {
+		t.Fatalf("living(self) after one was lost: %v, lost %d; want nil, 1 (the most so far)", err, lost)
+	}
+	if live, err := living([]int{dead}, &lost); err == nil {
+		t.Fatalf("living(a dead one) = %v, nil; want an error", live)
 	}
 }

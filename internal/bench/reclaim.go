@@ -25,7 +25,7 @@ func scaleReclaimed(ctx context.Context, e *sandbox.Engine, ids []string, pids [
 		return nil
 	}
 	say("waiting for the idle watch to freeze them and page them out (after %s)", d)
-	if r.AllReclaimedMS, r.Reclaimed = pageOutAll(ctx, e, len(ids), d, say); r.Reclaimed == 0 {
+	if r.AllReclaimedMS, r.Reclaimed = pageOutAll(ctx, e, len(ids)-r.ChildrenLost, d, say); r.Reclaimed == 0 {
 		if ctx.Err() != nil {
 			return ctx.Err()
 		}
@@ -33,7 +33,7 @@ func scaleReclaimed(ctx context.Context, e *sandbox.Engine, ids []string, pids [
 		return nil
 	}
 	var err error
-	if r.ReclaimedMemory, err = childMemory(pids); err != nil {
+	if r.ReclaimedMemory, err = childMemory(pids, &r.ChildrenLost); err != nil {
 		return err
 	}
 	say("exec in each child, woken from paged out")
@@ -45,22 +45,22 @@ func scaleReclaimed(ctx context.Context, e *sandbox.Engine, ids []string, pids [
 	after := e.FreezeStats()
 	r.SiblingPageIns = after.SiblingPageIns - before.SiblingPageIns
 	_, r.SiblingPageInMiB, r.SiblingPageInMS = pageInsSince(before, after)
-	if r.AfterWakeMemory, err = childMemory(pids); err != nil {
+	if r.AfterWakeMemory, err = childMemory(pids, &r.ChildrenLost); err != nil {
 		return err
 	}
 	// Reclaim stays off: the daemon pages a child out once per freeze
 	// of IdleReclaim, so one that is woken again sooner finds its pages
 	// as the last wake left them.
-	waitFrozen(ctx, e, len(ids), say)
+	waitFrozen(ctx, e, len(ids)-r.ChildrenLost, say)
 	say("exec in each child again, woken from frozen, not paged out again")
 	r.ExecAfterReclaim, r.ExecAwakeAfterReclaim, r.MeanWakeAfterReclaimMS, failed = execEach(ctx, e, ids, say)
 	r.ExecFailed += failed
-	if r.AfterReclaimMemory, err = childMemory(pids); err != nil {
+	if r.AfterReclaimMemory, err = childMemory(pids, &r.ChildrenLost); err != nil {
 		return err
 	}
 
 	say("waiting for the idle watch to page them out a second time")
-	again, failed, err := reclaimRound(ctx, e, ids, pids, d, "second", say)
+	again, failed, err := reclaimRound(ctx, e, ids, pids, &r.ChildrenLost, d, "second", say)
 	r.ExecFailed += failed
 	if err != nil {
 		return err
@@ -73,7 +73,7 @@ func scaleReclaimed(ctx context.Context, e *sandbox.Engine, ids []string, pids [
 	r.PageIns, r.PageInMiB, r.PageInMS, r.AfterWakeAgainMemory = again.PageIns, again.PageInMiB, again.PageInMS, again.AfterWakeMemory
 
 	say("waiting for the idle watch to page them out a third time")
-	third, failed, err := reclaimRound(ctx, e, ids, pids, d, "third", say)
+	third, failed, err := reclaimRound(ctx, e, ids, pids, &r.ChildrenLost, d, "third", say)
 	r.ExecFailed += failed
 	if err == nil && third.Reclaimed > 0 {
 		r.ReclaimedThird = third
@@ -84,10 +84,11 @@ func scaleReclaimed(ctx context.Context, e *sandbox.Engine, ids []string, pids [
 // reclaimRound pages every child out once more (the nth time), measures
 // their memory, times an exec in each, woken from paged out, and measures
 // their memory again; if nothing was paged out, only how long it waited.
-// It returns how many execs failed too.
-func reclaimRound(ctx context.Context, e *sandbox.Engine, ids []string, pids []int, d time.Duration, nth string, say func(string, ...any)) (*ReclaimRound, int, error) {
+// It returns how many execs failed too, and counts the children whose VMM
+// went away in lost.
+func reclaimRound(ctx context.Context, e *sandbox.Engine, ids []string, pids []int, lost *int, d time.Duration, nth string, say func(string, ...any)) (*ReclaimRound, int, error) {
 	var rr ReclaimRound
-	if rr.AllReclaimedMS, rr.Reclaimed = pageOutAll(ctx, e, len(ids), d, say); rr.Reclaimed == 0 {
+	if rr.AllReclaimedMS, rr.Reclaimed = pageOutAll(ctx, e, len(ids)-*lost, d, say); rr.Reclaimed == 0 {
 		if ctx.Err() != nil {
 			return nil, 0, ctx.Err()
 		}
@@ -95,7 +96,7 @@ func reclaimRound(ctx context.Context, e *sandbox.Engine, ids []string, pids []i
 		return &rr, 0, nil
 	}
 	var err error
-	if rr.Memory, err = childMemory(pids); err != nil {
+	if rr.Memory, err = childMemory(pids, lost); err != nil {
 		return nil, 0, err
 	}
 	say("exec in each child, woken from its %s page-out", nth)
@@ -107,7 +108,7 @@ func reclaimRound(ctx context.Context, e *sandbox.Engine, ids []string, pids []i
 	// A woken child that read nothing back learns afresh; a failed exec
 	// woke none.
 	rr.Relearned = max(rr.Exec.N-int(rr.PageIns), 0)
-	rr.AfterWakeMemory, err = childMemory(pids)
+	rr.AfterWakeMemory, err = childMemory(pids, lost)
 	return &rr, failed, err
 }
 
@@ -141,8 +142,13 @@ func pageOutAll(ctx context.Context, e *sandbox.Engine, n int, d time.Duration, 
 	return msSince(start), e.FreezeStats().Reclaimed
 }
 
-// childMemory measures the memory of the VMMs pids.
-func childMemory(pids []int) (*ChildMemory, error) {
+// childMemory measures the memory of the VMMs pids still running,
+// counting those gone in lost (living).
+func childMemory(pids []int, lost *int) (*ChildMemory, error) {
+	pids, err := living(pids, lost)
+	if err != nil {
+		return nil, err
+	}
 	var priv, swap []float64
 	var sumPriv, sumSwap float64
 	for _, pid := range pids {

@@ -85,6 +85,10 @@ type ScaleResult struct {
 	ForkFailed int     `json:"fork_failed"`
 	// ForkErrors says why the first children that failed did.
 	ForkErrors []string `json:"fork_errors,omitempty"`
+	// ChildrenLost counts the children whose VMM went away during the
+	// run (the host's OOM killer, a crash): sampled no more after, their
+	// execs counted as failed.
+	ChildrenLost int `json:"children_lost"`
 
 	// Idle CPU of all children together, in cores, without freezing and
 	// once the idle watch froze them all; wake-ups are the children's VMM
@@ -341,11 +345,15 @@ func RunScale(ctx context.Context, e *sandbox.Engine, o ScaleOptions) (*ScaleRes
 
 	say("idle CPU of %d children over %s, not frozen", len(ids), o.IdleFor)
 	time.Sleep(2 * time.Second)
-	if r.IdleCPUCores, r.IdleWakeupsPerSecPerChild, err = idleCost(ctx, pids, o.IdleFor); err != nil {
+	live, err := living(pids, &r.ChildrenLost)
+	if err != nil {
+		return nil, err
+	}
+	if r.IdleCPUCores, r.IdleWakeupsPerSecPerChild, err = idleCost(ctx, live, o.IdleFor); err != nil {
 		return nil, err
 	}
 	var priv []float64
-	for _, pid := range pids {
+	for _, pid := range live {
 		t, _, err := smapsPrivate(pid, snap.MemoryPath())
 		if err != nil {
 			return nil, err
@@ -437,7 +445,7 @@ func scaleFrozen(ctx context.Context, e *sandbox.Engine, ids, addrs []string, pi
 	go func() { defer close(done); e.RunIdle(ictx) }()
 	defer func() { stop(); <-done }()
 	say("waiting for the idle watch to freeze them")
-	r.AllFrozenMS = waitFrozen(ctx, e, len(ids), say)
+	r.AllFrozenMS = waitFrozen(ctx, e, len(ids)-r.ChildrenLost, say)
 	st := e.FreezeStats()
 	r.Frozen, r.FrozenWatched = st.Frozen, st.Watched
 	if r.Frozen == 0 {
@@ -446,7 +454,11 @@ func scaleFrozen(ctx context.Context, e *sandbox.Engine, ids, addrs []string, pi
 	}
 	var err error
 	say("idle CPU of %d frozen children over %s", r.Frozen, o.IdleFor)
-	if r.FrozenCPUCores, r.FrozenWakeupsPerSecChild, err = idleCost(ctx, pids, o.IdleFor); err != nil {
+	live, err := living(pids, &r.ChildrenLost)
+	if err != nil {
+		return err
+	}
+	if r.FrozenCPUCores, r.FrozenWakeupsPerSecChild, err = idleCost(ctx, live, o.IdleFor); err != nil {
 		return err
 	}
 	say("exec in each child, woken from frozen, while the pool refills")
@@ -456,7 +468,7 @@ func scaleFrozen(ctx context.Context, e *sandbox.Engine, ids, addrs []string, pi
 	}
 	say("waiting for the pool to refill")
 	if refilled() {
-		waitFrozen(ctx, e, len(ids), say)
+		waitFrozen(ctx, e, len(ids)-r.ChildrenLost, say)
 		say("CPU of the daemon over %s, every child frozen and the pool full", o.IdleFor)
 		pct, err := idleCPU(ctx, []int{os.Getpid()}, o.IdleFor)
 		if err != nil {
@@ -558,6 +570,23 @@ func withAgent(ctx context.Context, e *sandbox.Engine, id string, f func(context
 	}
 	defer release()
 	return f(xctx, c)
+}
+
+// living returns those of pids whose process still runs, and counts the
+// others in lost (the most so far): a run measures the children it has
+// left. None left is an error.
+func living(pids []int, lost *int) ([]int, error) {
+	var live []int
+	for _, pid := range pids {
+		if _, err := os.Stat(filepath.Join("/proc", strconv.Itoa(pid))); err == nil {
+			live = append(live, pid)
+		}
+	}
+	*lost = max(*lost, len(pids)-len(live))
+	if len(live) == 0 {
+		return nil, fmt.Errorf("all %d children's VMMs went away", len(pids))
+	}
+	return live, nil
 }
 
 // idleCost samples pids over d: their CPU in cores all together, and their

@@ -62,7 +62,7 @@ func scaleTraffic(ctx context.Context, e *sandbox.Engine, ids, addrs []string, r
 		served = append(served, i)
 	}
 	up = served
-	waitFrozen(ctx, e, len(ids), say)
+	waitFrozen(ctx, e, len(ids)-r.ChildrenLost, say)
 	say("GET from each child's server, woken from frozen by the request's packets")
 	before := e.FreezeStats().TrafficWakes
 	defer func() { r.TrafficWakes = e.FreezeStats().TrafficWakes - before }()
@@ -91,7 +91,7 @@ func scaleTraffic(ctx context.Context, e *sandbox.Engine, ids, addrs []string, r
 		return
 	}
 	// All at once, as a caller fanning one request out to every child.
-	waitFrozen(ctx, e, len(ids), say)
+	waitFrozen(ctx, e, len(ids)-r.ChildrenLost, say)
 	say("GET from every child's server at once, each woken from frozen by its packets")
 	burst := make([]float64, len(up))
 	ended := make([]float64, len(up)) // since start

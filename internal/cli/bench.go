@@ -278,6 +278,9 @@ func benchScale(cmd *cobra.Command, g *globals, o bench.ScaleOptions, asJSON boo
 		fmt.Fprintf(g.stdout, "GET from every child at once, each woken from frozen: p50 %.0f ms, p90 %.0f ms, p99 %.0f ms, %d failed; the last answered after %.0f ms\n",
 			r.TrafficBurst.P50, r.TrafficBurst.P90, r.TrafficBurst.P99, r.TrafficBurstFailed, r.TrafficBurstWallMS)
 	}
+	if r.ChildrenLost > 0 {
+		fmt.Fprintf(g.stdout, "children whose VMM went away during the run (not sampled after): %d\n", r.ChildrenLost)
+	}
 	fmt.Fprintf(g.stdout, "kill all: %.1f s\n", r.KillAllMS/1000)
 	return nil
 }

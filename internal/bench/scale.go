@@ -302,21 +302,20 @@ func RunScale(ctx context.Context, e *sandbox.Engine, o ScaleOptions) (*ScaleRes
 	}
 	// The pool refills behind the fork while the steps below run: timed
 	// when it is full, not when a step next looks.
-	full := make(chan float64, 1) // ms after the fork; 0: not refilled
+	var fullMS float64 // after the fork; 0: not refilled
+	full := make(chan struct{})
 	rctx, stopRefill := context.WithCancel(ctx)
 	go func() {
-		ms := 0.0
+		defer close(full)
 		if waitPool(rctx, e, tag, want, refillTime(want)) >= want {
-			ms = msSince(forked)
+			fullMS = msSince(forked)
 		}
-		full <- ms
 	}()
 	defer func() { stopRefill(); <-full }()
 	refilled := func() bool {
-		ms := <-full
-		full <- ms // for the deferred wait
-		r.PoolFullRefillMS = ms
-		return ms > 0
+		<-full
+		r.PoolFullRefillMS = fullMS
+		return fullMS > 0
 	}
 	r.ForkWallMS = fr.WallMS
 	var ready []float64

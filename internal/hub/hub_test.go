@@ -214,6 +214,23 @@ type testRegistry struct {
 	stallAfter atomic.Int64
 	stall      chan struct{}
 	release    sync.Once
+	// gets is the digest of every blob GET, in the order they came.
+	getsMu sync.Mutex
+	gets   []string
+}
+
+// getsSince returns the digests of the blob GETs after the first n.
+func (r *testRegistry) getsSince(n int) []string {
+	r.getsMu.Lock()
+	defer r.getsMu.Unlock()
+	return append([]string(nil), r.gets[n:]...)
+}
+
+// getCount returns how many blob GETs the registry has had.
+func (r *testRegistry) getCount() int {
+	r.getsMu.Lock()
+	defer r.getsMu.Unlock()
+	return len(r.gets)
 }
 
 func (r *testRegistry) setTamper(f func(path string, body []byte) []byte) {
@@ -239,6 +256,9 @@ func newRegistry(t *testing.T) *testRegistry {
 		isBlobGet := req.Method == http.MethodGet && strings.Contains(req.URL.Path, "/blobs/sha256:")
 		if isBlobGet {
 			n := r.blobGets.Add(1)
+			r.getsMu.Lock()
+			r.gets = append(r.gets, req.URL.Path[strings.LastIndex(req.URL.Path, "/")+1:])
+			r.getsMu.Unlock()
 			if r.stalling.Load() && n > r.stallAfter.Load() {
 				<-r.stall
 			}

@@ -101,6 +101,9 @@ type idleState struct {
 	pid     proc.Identity
 	slot    int // network slot, -1 for none
 	inbound uint64
+	// counted is the wake owed for traffic read on the counter of a
+	// frozen sandbox that has no watch (countInbound).
+	counted countedWake
 	// watch, while it is frozen, wakes it on the first packet for it
 	// (nil: none could be made, and the idle watch reads its counter).
 	watch *netns.InboundWatch
@@ -509,9 +512,8 @@ func (e *Engine) idleTick(ctx context.Context, reclaims *sync.WaitGroup) {
 	for id, st := range e.idle.m {
 		if st.slot >= 0 && st.watch == nil {
 			if n, err := e.cfg.Net.Inbound(st.slot); err == nil && n != st.inbound {
-				st.inbound = n
 				st.last = now
-				if st.frozen {
+				if st.countInbound(n, now) {
 					wake = append(wake, id)
 				}
 				continue
@@ -541,7 +543,7 @@ func (e *Engine) idleTick(ctx context.Context, reclaims *sync.WaitGroup) {
 	}
 	e.idle.mu.Unlock()
 	for _, id := range wake {
-		go e.wakeForTraffic(id)
+		go e.wakeCounted(id)
 	}
 	for _, id := range freeze {
 		if err := e.freeze(id); err != nil {
@@ -602,6 +604,7 @@ func (e *Engine) freeze(id string) error {
 	st.frozen, st.cpuAt, st.frozenAt = true, time.Time{}, time.Now()
 	st.gen++
 	st.tried, st.reclaimed, st.hot, st.firstOut, st.learn = false, false, nil, false, false
+	st.counted.failedAt = time.Time{}
 	e.idle.stats.Freezes++
 	e.idle.mu.Unlock()
 	e.log.Debug("sandbox frozen", "sandbox", id, "watched", w != nil)

@@ -14,8 +14,9 @@ import (
 // wakeForTraffic wakes frozen sandbox id for inbound traffic, through
 // the agent's client, which thaws it and sets the guest's clock; the
 // packets wait in its tap meanwhile. A sandbox no longer frozen, or gone
-// from the idle watch (a kill), is left alone.
-func (e *Engine) wakeForTraffic(id string) {
+// from the idle watch (a kill), is left alone. It reports false if the
+// wake failed.
+func (e *Engine) wakeForTraffic(id string) bool {
 	e.idle.mu.Lock()
 	st := e.idle.m[id]
 	frozen := st != nil && st.frozen
@@ -24,14 +25,60 @@ func (e *Engine) wakeForTraffic(id string) {
 	}
 	e.idle.mu.Unlock()
 	if !frozen {
-		return
+		return true
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	if _, release, err := e.heldAgent(ctx, id, false); err != nil {
+	_, release, err := e.heldAgent(ctx, id, false)
+	if err != nil {
 		e.log.Warn("idle watch: wake on traffic", "sandbox", id, "err", err)
-	} else {
-		release()
+		return false
+	}
+	release()
+	return true
+}
+
+// countedWake is the wake the idle watch owes a frozen sandbox without a
+// watch for the traffic its counter showed: waking while one runs,
+// failedAt when the last one failed.
+type countedWake struct {
+	waking   bool
+	failedAt time.Time
+}
+
+// trafficRetry is how long the idle watch waits after a failed wake for
+// counted traffic before it tries again.
+const trafficRetry = 2 * time.Second
+
+// countInbound takes n, st's inbound counter read at now, which differs
+// from the one st holds, and reports whether to wake st for it
+// (wakeCounted). A frozen sandbox keeps its old count until it is awake,
+// so a wake that fails leaves the traffic counted and is tried again,
+// trafficRetry later, until one works or the sandbox goes. Called with
+// e.idle.mu held.
+func (st *idleState) countInbound(n uint64, now time.Time) (wake bool) {
+	if !st.frozen {
+		st.inbound = n
+		return false
+	}
+	if st.counted.waking || (!st.counted.failedAt.IsZero() && now.Sub(st.counted.failedAt) < trafficRetry) {
+		return false
+	}
+	st.counted.waking = true
+	return true
+}
+
+// wakeCounted wakes sandbox id for the traffic countInbound read, and
+// records the outcome for the next reading.
+func (e *Engine) wakeCounted(id string) {
+	ok := e.wakeForTraffic(id)
+	e.idle.mu.Lock()
+	defer e.idle.mu.Unlock()
+	if st := e.idle.m[id]; st != nil {
+		st.counted.waking = false
+		if !ok {
+			st.counted.failedAt = time.Now()
+		}
 	}
 }
 

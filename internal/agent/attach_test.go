@@ -8,6 +8,7 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -90,11 +91,21 @@ func TestAttachedExecDetaches(t *testing.T) {
 		}
 		followed <- res
 	}()
-	time.Sleep(200 * time.Millisecond) // let the follower start
-	if err := c.SendStdin(ctx, pid, []byte("b\n")); err != nil {
-		t.Fatal(err)
-	}
-	waitFor(t, func() bool { return strings.Contains(live.String(), "got b\n") })
+	// Nothing tells when the follower has joined, and it is not sent
+	// what came before: send "b" until it sees an answer.
+	var sent time.Time
+	waitFor(t, func() bool {
+		if strings.Contains(live.String(), "got b\n") {
+			return true
+		}
+		if time.Since(sent) >= 100*time.Millisecond {
+			if err := c.SendStdin(ctx, pid, []byte("b\n")); err != nil {
+				t.Fatal(err)
+			}
+			sent = time.Now()
+		}
+		return false
+	})
 	if strings.Contains(live.String(), "ready") {
 		t.Errorf("follow replayed old output: %q", live.String())
 	}
@@ -186,7 +197,12 @@ func TestWatch(t *testing.T) {
 	<-started
 	testutil.Check(t, os.WriteFile(filepath.Join(dir, "a.txt"), []byte("x"), 0o644))
 	testutil.Check(t, os.Mkdir(filepath.Join(dir, "sub"), 0o755))
-	time.Sleep(100 * time.Millisecond) // the new directory's watch is added
+	// The new directory's watch is added before its creation is sent.
+	waitFor(t, func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		return slices.Contains(got, proto.WatchEvent{Name: "sub", Op: proto.WatchCreate})
+	})
 	testutil.Check(t, os.WriteFile(filepath.Join(dir, "sub", "b.txt"), []byte("y"), 0o644))
 	testutil.Check(t, os.Rename(filepath.Join(dir, "a.txt"), filepath.Join(dir, "c.txt")))
 	testutil.Check(t, os.Remove(filepath.Join(dir, "c.txt")))

@@ -193,22 +193,33 @@ func TestIdleFreezeVM(t *testing.T) {
 	t.Run("clock set once for two requests", func(t *testing.T) {
 		d.e.SetClockAfterWake(true)
 		defer d.e.SetClockAfterWake(false)
-		frozen(t, id)
-		before := d.e.FreezeStats()
-		var wg sync.WaitGroup
-		errs := make([]error, 2)
-		for i := range errs {
-			wg.Go(func() { errs[i] = clockRight(ctx) })
-		}
-		wg.Wait()
-		after := d.e.FreezeStats()
-		for i, err := range errs {
-			if err != nil {
-				t.Errorf("request %d: %v", i, err)
+		// The counts are the daemon's, for all sandboxes: a round in which
+		// a packet woke one (the other child, say) proves nothing, and is
+		// run again.
+		for round := 1; ; round++ {
+			frozen(t, id)
+			before := d.e.FreezeStats()
+			var wg sync.WaitGroup
+			errs := make([]error, 2)
+			for i := range errs {
+				wg.Go(func() { errs[i] = clockRight(ctx) })
 			}
-		}
-		if n, sets := after.Wakes-before.Wakes, after.ClockSets-before.ClockSets; n != 1 || sets != 1 {
-			t.Errorf("two requests on a frozen child: %d wakes, %d clock sets; want 1 and 1", n, sets)
+			wg.Wait()
+			after := d.e.FreezeStats()
+			for i, err := range errs {
+				if err != nil {
+					t.Errorf("request %d: %v", i, err)
+				}
+			}
+			n, sets := after.Wakes-before.Wakes, after.ClockSets-before.ClockSets
+			if tw := after.TrafficWakes - before.TrafficWakes; tw > 0 && round < 3 {
+				t.Logf("%d wakes for traffic meanwhile (%d wakes, %d clock sets): again", tw, n, sets)
+				continue
+			}
+			if n != 1 || sets != 1 {
+				t.Errorf("two requests on a frozen child: %d wakes, %d clock sets; want 1 and 1", n, sets)
+			}
+			break
 		}
 		// The clock set is an init, which applies a pids limit too: the
 		// child's own, not the agent's default.

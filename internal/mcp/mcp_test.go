@@ -281,7 +281,7 @@ func TestWaitForText(t *testing.T) {
 		t.Errorf("wait: %v", sc)
 	}
 	// The text is data, never code: shell syntax in it is only looked for.
-	text, _, isErr := callTool(t, cs, "wait_for_text", map[string]any{"id": fakeID, "path": "/var/log/app.log", "text": "'; rm -rf / #", "timeout_secs": 0.3, "interval_ms": 100})
+	text, _, isErr := callTool(t, cs, "wait_for_text", map[string]any{"id": fakeID, "path": "/var/log/app.log", "text": "'; rm -rf / #", "timeout_secs": 1.5, "interval_ms": 100})
 	if !isErr || !strings.HasPrefix(text, "deadline_exceeded: text \"'; rm -rf / #\" did not appear in /var/log/app.log") ||
 		!strings.Contains(text, `its last line: "more"`) {
 		t.Errorf("wait that times out: %q", text)
@@ -291,7 +291,7 @@ func TestWaitForText(t *testing.T) {
 			t.Errorf("wait_for_text ran a command: %s", c)
 		}
 	}
-	text, _, isErr = callTool(t, cs, "wait_for_text", map[string]any{"id": fakeID, "path": "/nope", "text": "x", "timeout_secs": 0.2, "interval_ms": 100})
+	text, _, isErr = callTool(t, cs, "wait_for_text", map[string]any{"id": fakeID, "path": "/nope", "text": "x", "timeout_secs": 1.5, "interval_ms": 100})
 	if !isErr || !strings.Contains(text, "the file does not exist") {
 		t.Errorf("wait for a missing file: %q", text)
 	}
@@ -317,7 +317,8 @@ func TestProgress(t *testing.T) {
 		}
 	}
 	want := []string{"kernel", "boot", "saved", "forking 1 sandbox(es) from base", "1 sandbox(es) running"}
-	for range 100 { // notifications may trail the results
+	// Notifications may trail the results.
+	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); {
 		mu.Lock()
 		got := slices.Clone(msgs)
 		mu.Unlock()

@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"net/netip"
 	"slices"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -181,6 +182,7 @@ func TestChildren(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer l.Close()
+		var sent atomic.Int64 // ticks the peer has sent
 		go func() {
 			c, err := l.Accept()
 			if err != nil {
@@ -191,6 +193,7 @@ func TestChildren(t *testing.T) {
 				if _, err := fmt.Fprintf(c, "tick %d\n", i); err != nil {
 					return
 				}
+				sent.Add(1)
 				time.Sleep(100 * time.Millisecond)
 			}
 		}()
@@ -210,18 +213,23 @@ func TestChildren(t *testing.T) {
 		if err := m.SetPolicy(ctx, 1, Policy{Mode: ModeDeny}); err != nil {
 			t.Fatal(err)
 		}
-		cut := time.Now()
-		var last time.Time
+		// Ticks are counted by the peer, not by when this reader gets
+		// to them: what was in flight at the switch (the peer sends one
+		// every 100 ms) may still land; nothing sent later.
+		atCut := sent.Load()
 		push.SetDeadline(time.Now().Add(2 * time.Second))
 		for {
-			if _, err := rd.ReadString('\n'); err != nil {
+			line, err := rd.ReadString('\n')
+			if err != nil {
 				break
 			}
-			last = time.Now()
-		}
-		// What was in flight at the switch may still land; nothing later.
-		if d := last.Sub(cut); d > 500*time.Millisecond {
-			t.Fatalf("pushes from the peer still arrived %v after deny", d)
+			var n int64
+			if _, err := fmt.Sscanf(line, "tick %d", &n); err != nil {
+				t.Fatalf("peer sent %q", line)
+			}
+			if n >= atCut+3 {
+				t.Fatalf("tick %d from the peer arrived after deny; %d had been sent at the switch", n, atCut)
+			}
 		}
 		if err := m.SetPolicy(ctx, 1, Policy{Mode: ModeAllow}); err != nil {
 			t.Fatal(err)

@@ -183,7 +183,13 @@ func get(nsPath string, addr netip.AddrPort, timeout time.Duration) (string, err
 // that namespace's path.
 func testManager(t *testing.T, prefix, network string, guests bool) *Manager {
 	t.Helper()
-	m, err := New(Options{Prefix: prefix, Network: netip.MustParsePrefix(network), Ports: PortRange{First: 28500, Last: 28599}})
+	// Each test's own 100 host ports, by its network (10.180.N.0/20):
+	// their tables' DNAT rules all see the host's traffic, and the tests
+	// run side by side. Outside DefaultPorts, which daemons in other
+	// packages' tests use meanwhile.
+	pfx := netip.MustParsePrefix(network)
+	first := 29000 + 100*uint16(pfx.Addr().As4()[2]/16)
+	m, err := New(Options{Prefix: prefix, Network: pfx, Ports: PortRange{First: first, Last: first + 99}})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -64,7 +64,10 @@ func TestFindDisk(t *testing.T) {
 	}
 	go func() {
 		time.Sleep(50 * time.Millisecond)
-		_ = os.WriteFile(size, []byte("131072\n"), 0o644)
+		// Whole at once, as sysfs shows it: a rewrite in place could be
+		// read empty between its truncation and its write.
+		_ = os.WriteFile(size+".new", []byte("131072\n"), 0o644)
+		_ = os.Rename(size+".new", size)
 	}()
 	if err := waitCapacity(size, 64<<20, 5*time.Second); err != nil {
 		t.Fatalf("waitCapacity after a resize: %v", err)

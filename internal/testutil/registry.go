@@ -107,13 +107,15 @@ storage:
 		_ = cmd.Process.Kill()
 		_ = cmd.Wait()
 	})
-	for i := 0; ; i++ {
+	// A loaded host can take seconds to start it (TLS keys, its
+	// storage).
+	for deadline := time.Now().Add(30 * time.Second); ; {
 		c, err := net.DialTimeout("tcp", addr, time.Second)
 		if err == nil {
 			c.Close()
 			return r
 		}
-		if i > 100 {
+		if time.Now().After(deadline) {
 			t.Fatalf("registry on %s did not start: %v\n%s", addr, err, logBuf.String())
 		}
 		time.Sleep(50 * time.Millisecond)

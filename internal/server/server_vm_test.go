@@ -338,9 +338,17 @@ func TestServerVM(t *testing.T) {
 					c.DeleteSandbox(ctx, sb.ID)
 				}
 			}
+			// Settled: no request in the daemon and no record, twice in a
+			// row (a request the client gave up on may reach its handler
+			// late, and make records then).
+			settled := 0
 			for deadline := time.Now().Add(time.Minute); ; time.Sleep(100 * time.Millisecond) {
-				if list, err := d.e.State().List(); err == nil && len(list) == 0 {
-					break
+				if list, err := d.e.State().List(); err == nil && len(list) == 0 && requestsInFlight(t, d) == 0 {
+					if settled++; settled == 2 {
+						break
+					}
+				} else {
+					settled = 0
 				}
 				if time.Now().After(deadline) {
 					list, _ := d.e.State().List()
@@ -359,6 +367,22 @@ func TestServerVM(t *testing.T) {
 			t.Errorf("snapshot after delete: %v", err)
 		}
 	})
+}
+
+// requestsInFlight reads the daemon's gauge of the requests it serves.
+func requestsInFlight(t *testing.T, d *daemon) float64 {
+	t.Helper()
+	mfs, err := d.srv.Metrics().Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() == "forkd_http_requests_in_flight" && len(mf.GetMetric()) == 1 {
+			return mf.GetMetric()[0].GetGauge().GetValue()
+		}
+	}
+	t.Fatal("no forkd_http_requests_in_flight gauge")
+	return 0
 }
 
 // waitGone waits until sandbox id is gone, failing after deadline.

@@ -309,6 +309,7 @@ func New(cfg Config) (*Engine, error) {
 			Logger:    cfg.Logger,
 		},
 	}
+	e.idle.inbound = func(slot int) (uint64, error) { return e.cfg.Net.Inbound(slot) }
 	e.pool = newPool(e, cfg.Pool, cfg.PoolMax)
 	if e.hub, err = e.newHub(); err != nil {
 		st.Close()

@@ -185,7 +185,8 @@ type idler struct {
 	// pageOut, resident, pageIn, swapFree and compact are
 	// proc.PageOut, proc.ResidentAnon, proc.PageIn, the host's free
 	// swap and proc.CompactZramSwap; noteResident and place are
-	// proc.NoteResident and proc.Place. Unit tests replace them.
+	// proc.NoteResident and proc.Place; inbound is the network
+	// manager's Inbound. Unit tests replace them.
 	pageOut      func(proc.Identity, func() bool) (int64, error)
 	resident     func(proc.Identity, uint64, int) ([]proc.Span, error)
 	pageIn       func(proc.Identity, []proc.Span) (int64, error)
@@ -193,6 +194,7 @@ type idler struct {
 	compact      func() (int, int64, error)
 	noteResident func(proc.Identity, uint64, int) (proc.Notes, error)
 	place        func(proc.Identity, proc.Notes) ([]proc.Span, error)
+	inbound      func(slot int) (uint64, error)
 }
 
 // compactLater notes that pages left zram's pool, now: a compaction is
@@ -511,7 +513,7 @@ func (e *Engine) idleTick(ctx context.Context, reclaims *sync.WaitGroup) {
 	pick := e.idle.reclaimAfter > 0 && !e.idle.reclaiming && !e.idle.cannot && (!e.idle.noSwap || now.Sub(e.idle.swapChecked) >= reclaimRetry)
 	for id, st := range e.idle.m {
 		if st.slot >= 0 && st.watch == nil {
-			if n, err := e.cfg.Net.Inbound(st.slot); err == nil && n != st.inbound {
+			if n, err := e.idle.inbound(st.slot); err == nil && n != st.inbound {
 				st.last = now
 				if st.countInbound(n, now) {
 					wake = append(wake, id)

@@ -1,44 +1,83 @@
 package sandbox
 
 import (
+	"context"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 )
 
-// TestCountedWakeRetried: traffic read on the counter of a frozen
-// sandbox without a watch is owed a wake until one works. One wake runs at
-// a time; a failed one (here: a sandbox the engine has no record of) is
-// tried again trafficRetry later; once awake, the count is taken.
+// TestCountedWakeRetried: traffic the idle tick reads on the counter of a
+// frozen sandbox without a watch is owed a wake until one works. One wake
+// runs at a time; a failed one (here: the engine has no record of the
+// sandbox, so no agent to reach) is tried again trafficRetry later; once
+// the sandbox is awake, the tick takes the count.
 func TestCountedWakeRetried(t *testing.T) {
 	e := fakeEngine(t)
+	var count atomic.Uint64
+	count.Store(10)
+	e.idle.inbound = func(int) (uint64, error) { return count.Load(), nil }
+	const id = "sb-countedaaa"
 	st := &idleState{frozen: true, slot: 3, inbound: 10}
-	e.idle.m["sb-counted00"] = st
-	now := time.Now()
-	if !st.countInbound(11, now) {
-		t.Fatal("new traffic on a frozen sandbox: no wake")
+	e.idle.m[id] = st
+	var reclaims sync.WaitGroup
+	tick := func() {
+		e.idleTick(context.Background(), &reclaims)
+		reclaims.Wait()
 	}
-	if st.countInbound(12, now) {
-		t.Fatal("a second wake started while one runs")
+	locked := func(f func()) {
+		e.idle.mu.Lock()
+		defer e.idle.mu.Unlock()
+		f()
 	}
-	e.wakeCounted("sb-counted00")
-	if st.counted.waking || st.counted.failedAt.IsZero() {
-		t.Fatalf("after a failed wake: %+v, want not waking, failure noted", st.counted)
+	// settled waits for the wake in flight, if any, to end.
+	settled := func() {
+		t.Helper()
+		for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
+			waking := false
+			locked(func() { waking = st.counted.waking })
+			if !waking {
+				return
+			}
+			if time.Now().After(deadline) {
+				t.Fatal("a counted wake never ended")
+			}
+		}
 	}
-	if got := e.FreezeStats().TrafficWakes; got != 1 {
-		t.Fatalf("traffic wakes %d, want 1", got)
+	wakes := func() int64 { return e.FreezeStats().TrafficWakes }
+
+	count.Store(11)
+	tick()
+	settled()
+	var failedAt time.Time
+	var inbound uint64
+	locked(func() { failedAt, inbound = st.counted.failedAt, st.inbound })
+	if n := wakes(); n != 1 || failedAt.IsZero() || inbound != 10 {
+		t.Fatalf("after new traffic: %d wakes, failure noted %v, count %d; want 1, true, 10 (kept while frozen)", n, !failedAt.IsZero(), inbound)
 	}
-	failed := st.counted.failedAt
-	if st.countInbound(12, failed.Add(trafficRetry/2)) {
-		t.Fatal("retried before trafficRetry")
+	// Within trafficRetry of the failure, ticks start nothing.
+	for range 3 {
+		tick()
+		settled()
 	}
-	if st.inbound != 10 {
-		t.Fatalf("a frozen sandbox's count moved to %d before it woke", st.inbound)
+	if n := wakes(); n != 1 {
+		t.Fatalf("%d wakes within %v of a failed one, want 1", n, trafficRetry)
 	}
-	if !st.countInbound(12, failed.Add(trafficRetry)) {
-		t.Fatal("a failed wake was not tried again")
+	// trafficRetry later, the tick tries again.
+	locked(func() { st.counted.failedAt = time.Now().Add(-trafficRetry) })
+	tick()
+	settled()
+	if n := wakes(); n != 2 {
+		t.Fatalf("%d wakes once trafficRetry had passed, want 2", n)
 	}
-	st.frozen, st.counted.waking = false, false // the retry worked
-	if st.countInbound(13, failed.Add(2*trafficRetry)) || st.inbound != 13 {
-		t.Fatalf("awake: count %d, want 13 and no wake", st.inbound)
+	// Awake (a wake worked, or a request thawed it): the tick takes the
+	// count and wakes nothing.
+	locked(func() { st.frozen = false })
+	tick()
+	settled()
+	locked(func() { inbound = st.inbound })
+	if n := wakes(); n != 2 || inbound != 11 {
+		t.Fatalf("awake: %d wakes, count %d; want 2 and 11", n, inbound)
 	}
 }

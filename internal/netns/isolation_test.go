@@ -82,17 +82,17 @@ func TestChildren(t *testing.T) {
 		}
 	})
 	t.Run("child never reaches the host", func(t *testing.T) {
-		l, err := net.Listen("tcp4", ":28499")
+		l, err := net.Listen("tcp4", ":19999")
 		if err != nil {
 			t.Fatal(err)
 		}
 		defer l.Close()
 		go http.Serve(l, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { fmt.Fprint(w, "host") }))
-		expectGet(t, "", ap(inetHostAddr, 28499), "host")
+		expectGet(t, "", ap(inetHostAddr, 19999), "host")
 		// The host's public address passes the namespace's policy; the
 		// host table drops it.
-		expectNoGet(t, m.guestNS(0), ap(inetHostAddr, 28499), 500*time.Millisecond)
-		expectNoGet(t, m.guestNS(0), ap(nets[0].HostAddr, 28499), 500*time.Millisecond)
+		expectNoGet(t, m.guestNS(0), ap(inetHostAddr, 19999), 500*time.Millisecond)
+		expectNoGet(t, m.guestNS(0), ap(nets[0].HostAddr, 19999), 500*time.Millisecond)
 	})
 	t.Run("egress allow", func(t *testing.T) {
 		expectGet(t, m.guestNS(1), ap(inetAddr, 80), inetNS)

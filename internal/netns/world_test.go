@@ -185,10 +185,11 @@ func testManager(t *testing.T, prefix, network string, guests bool) *Manager {
 	t.Helper()
 	// Each test's own 100 host ports, by its network (10.180.N.0/20):
 	// their tables' DNAT rules all see the host's traffic, and the tests
-	// run side by side. Outside DefaultPorts, which daemons in other
-	// packages' tests use meanwhile.
+	// run side by side. Below 20000, where the engines' host-network
+	// shares (sandbox.hostNetOf) begin, which other packages' tests take
+	// meanwhile, and below the kernel's ephemeral ports.
 	pfx := netip.MustParsePrefix(network)
-	first := 29000 + 100*uint16(pfx.Addr().As4()[2]/16)
+	first := 19000 + 100*uint16(pfx.Addr().As4()[2]/16)
 	m, err := New(Options{Prefix: prefix, Network: pfx, Ports: PortRange{First: first, Last: first + 99}})
 	if err != nil {
 		t.Fatal(err)

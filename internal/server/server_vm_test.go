@@ -352,7 +352,7 @@ func TestServerVM(t *testing.T) {
 				}
 				if time.Now().After(deadline) {
 					list, _ := d.e.State().List()
-					t.Fatalf("hang-up after %v: %d records still there after a minute", after, len(list))
+					t.Fatalf("hang-up after %v: after a minute, %d records and %v requests in flight", after, len(list), requestsInFlight(t, d))
 				}
 			}
 			assertNoLeak(t, d)

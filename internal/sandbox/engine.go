@@ -300,7 +300,7 @@ func New(cfg Config) (*Engine, error) {
 		idle: idler{
 			m: map[string]*idleState{}, reclaimAfter: cfg.IdleReclaim, siblings: map[string]proc.Notes{}, noting: map[string]bool{},
 			pageOut: proc.PageOut, resident: proc.ResidentAnon, pageIn: proc.PageIn, swapFree: hostSwapFree, compact: proc.CompactZramSwap,
-			noteResident: proc.NoteResident, place: proc.Place,
+			noteResident: proc.NoteResident, place: proc.Place, inbound: cfg.Net.Inbound,
 		},
 		images: &image.Builder{
 			CacheDir:  cfg.CacheDir,
@@ -309,7 +309,6 @@ func New(cfg Config) (*Engine, error) {
 			Logger:    cfg.Logger,
 		},
 	}
-	e.idle.inbound = func(slot int) (uint64, error) { return e.cfg.Net.Inbound(slot) }
 	e.pool = newPool(e, cfg.Pool, cfg.PoolMax)
 	if e.hub, err = e.newHub(); err != nil {
 		st.Close()

@@ -61,7 +61,7 @@ func (st *idleState) countInbound(n uint64, now time.Time) (wake bool) {
 		st.inbound = n
 		return false
 	}
-	if st.counted.waking || (!st.counted.failedAt.IsZero() && now.Sub(st.counted.failedAt) < trafficRetry) {
+	if st.counted.waking || now.Sub(st.counted.failedAt) < trafficRetry {
 		return false
 	}
 	st.counted.waking = true

@@ -250,7 +250,7 @@ func TestPullResumesFromVerifiedBlobs(t *testing.T) {
 	dst := newWorld(t)
 	total := int64(len(p.m.Layers))
 	p.reg.stalling.Store(true)
-	p.reg.stallAfter.Store(p.reg.blobGets.Load() + 1 + 3) // the config and three blobs, then it hangs
+	p.reg.stallAfter.Store(int64(p.reg.getCount()) + 1 + 3) // the config and three blobs, then it hangs
 	ctx, cancel := context.WithCancel(context.Background())
 	errc := make(chan error, 1)
 	go func() {

@@ -96,6 +96,15 @@ func TestForkTen(t *testing.T) {
 	if f := strings.Fields(out); code != 0 || !slices.Equal(f, []string{"50000", "2000000"}) {
 		t.Errorf("timer slack of a command, then of the agent's monitor thread: %q (exit %d)", out, code)
 	}
+	// An emulated CPU does not speculate: under TCG the guest kernel runs
+	// without speculation mitigations (no retpolines); under KVM it keeps
+	// them.
+	accel := e.Backend().Capabilities().Accelerator
+	out, code = run(t, e, ids[0], "cat /proc/cmdline /sys/devices/system/cpu/vulnerabilities/spectre_v2")
+	off := strings.Contains(out, " mitigations=off")
+	if code != 0 || off != (accel == "tcg") || off && !strings.Contains(out, "\nVulnerable") {
+		t.Errorf("guest kernel command line and spectre_v2 under %s: %q (exit %d)", accel, out, code)
+	}
 	// A file written in one child is absent in the others.
 	if _, code := run(t, e, ids[0], "echo secret > /tmp/mine && cat /tmp/mine"); code != 0 {
 		t.Fatal("write in child 0 failed")

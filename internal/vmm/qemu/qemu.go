@@ -501,11 +501,20 @@ var errStopped = errors.New("machine stopped")
 var baseCmdline = []string{"console=ttyS0", "panic=-1", "quiet", "nowatchdog", "nosoftlockup",
 	"sysctl.vm.compaction_proactiveness=0"}
 
-// tcgCmdline is what a guest kernel under TCG is told about its clock.
-// The TSC a TCG guest reads is the host's own, so it is stable; but the
-// kernel's clocksource watchdog compares it with jiffies, which an
-// emulated CPU loses under host load, and on a busy host it marks the TSC
-// unstable and falls back to jiffies. Without a high-resolution
-// clocksource the tick never stops (no NO_HZ): an idle guest then takes
-// 250 timer interrupts a second, and costs its host ten times the CPU.
-var tcgCmdline = []string{"tsc=reliable"}
+// tcgCmdline is what a guest kernel under TCG is told more.
+//
+// Its clock: the TSC a TCG guest reads is the host's own, so it is
+// stable; but the kernel's clocksource watchdog compares it with jiffies,
+// which an emulated CPU loses under host load, and on a busy host it
+// marks the TSC unstable and falls back to jiffies. Without a
+// high-resolution clocksource the tick never stops (no NO_HZ): an idle
+// guest then takes 250 timer interrupts a second, and costs its host ten
+// times the CPU.
+//
+// No speculation mitigations: an emulated CPU does not speculate, and
+// TCG translates the guest's retpolines and barriers into host code that
+// keeps none of their effect on the host's speculation, so they only
+// cost: without them the first exec after a page-out took 6-28 ms less
+// at the p50, in three pairs of 30-child runs (docs/benchmarks.md). Under
+// KVM the guest's mitigations stay.
+var tcgCmdline = []string{"tsc=reliable", "mitigations=off"}

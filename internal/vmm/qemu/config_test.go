@@ -67,6 +67,25 @@ func TestIdentityArgsStable(t *testing.T) {
 	}
 }
 
+// TestJailArgs checks the options that drop QEMU's privileges follow its
+// version: 10.0 refuses -runas and -chroot, and 9.0 has no -run-with
+// user=.
+func TestJailArgs(t *testing.T) {
+	for _, c := range []struct{ ver, want string }{
+		{"7.2.22", "-runas forkd-vmm -chroot /run/a,b/jail"},
+		{"9.0.4", "-runas forkd-vmm -chroot /run/a,b/jail"},
+		{"9.1.0", "-run-with user=forkd-vmm,chroot=/run/a,,b/jail"},
+		{"10.0.2", "-run-with user=forkd-vmm,chroot=/run/a,,b/jail"},
+		{"11.1", "-run-with user=forkd-vmm,chroot=/run/a,,b/jail"},
+		{"", "-runas forkd-vmm -chroot /run/a,b/jail"},
+		{"x.y", "-runas forkd-vmm -chroot /run/a,b/jail"},
+	} {
+		if got := strings.Join(jailArgs(c.ver, "forkd-vmm", "/run/a,b/jail"), " "); got != c.want {
+			t.Errorf("QEMU %q: %s, want %s", c.ver, got, c.want)
+		}
+	}
+}
+
 func TestInstanceArgs(t *testing.T) {
 	c := machineConfig{Machine: "q35", Accel: "kvm", CPU: "host", MemoryMiB: 512, VCPUs: 2}
 	args := strings.Join(c.instanceArgs(instance{

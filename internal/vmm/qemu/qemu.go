@@ -28,6 +28,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -328,6 +329,32 @@ func (b *Backend) compatible(ctx context.Context, cfg machineConfig) error {
 	return nil
 }
 
+// jailArgs returns the options that make QEMU of version ver drop to
+// user and chroot into jail once it has opened its files. QEMU 9.1 moved
+// both into -run-with (user= is new there); 10.0 removed -runas and
+// -chroot.
+func jailArgs(ver, user, jail string) []string {
+	if versionAtLeast(ver, 9, 1) {
+		return []string{"-run-with", "user=" + escapeOpt(user) + ",chroot=" + escapeOpt(jail)}
+	}
+	return []string{"-runas", user, "-chroot", jail}
+}
+
+// versionAtLeast reports whether QEMU version v (major.minor[.micro]) is
+// major.minor or later; false when v does not parse.
+func versionAtLeast(v string, major, minor int) bool {
+	f := strings.SplitN(v, ".", 3)
+	if len(f) < 2 {
+		return false
+	}
+	ma, err1 := strconv.Atoi(f[0])
+	mi, err2 := strconv.Atoi(f[1])
+	if err1 != nil || err2 != nil {
+		return false
+	}
+	return ma > major || ma == major && mi >= minor
+}
+
 func majorMinor(v string) string {
 	parts := strings.SplitN(v, ".", 3)
 	if len(parts) < 2 {
@@ -413,8 +440,8 @@ func (b *Backend) start(ctx context.Context, runDir string, cfg machineConfig, a
 		return nil, err
 	}
 	if b.opts.Sandbox {
-		// With -runas QEMU itself calls setuid after the filter is in
-		// place; it then has no privilege left to elevate.
+		// Dropping to launch.User, QEMU itself calls setuid after the
+		// filter is in place; it then has no privilege left to elevate.
 		opts := "on,obsolete=deny,spawn=deny,resourcecontrol=deny"
 		if launch.User == "" {
 			opts += ",elevateprivileges=deny"
@@ -429,7 +456,12 @@ func (b *Backend) start(ctx context.Context, runDir string, cfg machineConfig, a
 			os.RemoveAll(runDir)
 			return nil, err
 		}
-		args.add("-runas", launch.User, "-chroot", jail)
+		ver, err := b.Version(ctx)
+		if err != nil {
+			os.RemoveAll(runDir)
+			return nil, err
+		}
+		args.add(jailArgs(ver, launch.User, jail)...)
 	}
 	logf, err := os.OpenFile(filepath.Join(runDir, logFile), os.O_CREATE|os.O_WRONLY|os.O_TRUNC, 0o600)
 	if err != nil {

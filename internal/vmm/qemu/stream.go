@@ -22,6 +22,11 @@ import (
 //	               described nowhere in the stream, so they are only copied
 //	end:           0x00 EOF, then 0x06 VMDESCRIPTION (be32 len, JSON)
 //
+// QEMU 10 also sends a command (0x08, be16 command, be16 len, len bytes)
+// before the last ram section: SWITCHOVER_START (11, no data), which tells
+// the loader that every iterative section's data has come. The walker
+// passes it through and takes no other command.
+//
 // A ram record starts with a be64 holding a page-aligned offset and flags
 // in its low 12 bits. MEM_SIZE lists the RAM blocks (u8 len, name, be64
 // used length, and be64 guest address when x-ignore-shared is on); ZERO and
@@ -45,7 +50,10 @@ const (
 	secSub    = 0x05
 	secVMDesc = 0x06
 	secConfig = 0x07
+	secCmd    = 0x08
 	secFooter = 0x7e
+
+	cmdSwitchoverStart = 11
 
 	ramZero     = 0x02
 	ramMemSize  = 0x04
@@ -249,6 +257,8 @@ func (w *walker) head() (byte, error) {
 			return 0, w.s.errorf("section type %#x where the configuration section belongs", t)
 		case t == secStart || t == secPart || t == secEnd:
 			err = w.ramSection(t)
+		case t == secCmd && w.ramStarted && !w.ramEnded:
+			err = w.command()
 		default:
 			if !w.ramEnded {
 				return 0, w.s.errorf("section type %#x before the ram section ended", t)
@@ -392,6 +402,21 @@ func (w *walker) ramSection(t byte) error {
 		return err
 	}
 	return w.footer(id)
+}
+
+// command walks a command section after its type byte: only a
+// SWITCHOVER_START, without data.
+func (w *walker) command() error {
+	var c [5]byte
+	c[0] = secCmd
+	if err := w.s.full(c[1:]); err != nil {
+		return err
+	}
+	cmd, n := binary.BigEndian.Uint16(c[1:]), binary.BigEndian.Uint16(c[3:])
+	if cmd != cmdSwitchoverStart || n != 0 {
+		return w.s.errorf("migration command %d with %d bytes (only SWITCHOVER_START, %d, without data, is taken)", cmd, n, cmdSwitchoverStart)
+	}
+	return w.emit(c[:])
 }
 
 // footer walks a section footer, which must name section id.

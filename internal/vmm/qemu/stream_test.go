@@ -138,6 +138,19 @@ func TestStateHeadOfSnapshots(t *testing.T) {
 	if n := len(must(stateHead(readTestdata(t, "root.state")))); n != 33301 {
 		t.Fatalf("root.state head is %d bytes, QEMU wrote 33301", n)
 	}
+	// QEMU 10 sends SWITCHOVER_START before the last ram section; the
+	// head keeps it, in its place.
+	root := readTestdata(t, "root.state")
+	head := must(stateHead(root))
+	end := len(head) - 18 // the END section: type, id, EOS, footer
+	if head[end] != secEnd {
+		t.Fatalf("root.state's head does not end with a bare ram END section")
+	}
+	cmd := []byte{secCmd, 0, cmdSwitchoverStart, 0, 0}
+	b := append(append(bytes.Clone(root[:end]), cmd...), root[end:]...)
+	if got, err := stateHead(b); err != nil || !bytes.Equal(got, append(append(bytes.Clone(head[:end]), cmd...), head[end:]...)) {
+		t.Fatalf("a head with SWITCHOVER_START: %d bytes, %v", len(got), err)
+	}
 	if got := runState(t, readTestdata(t, "live.state")); got != "paused/7" {
 		t.Fatalf("live.state run state %s, want paused/7", got)
 	}
@@ -446,6 +459,9 @@ func TestStateHeadRejects(t *testing.T) {
 		return c
 	}
 	be := func(v uint64) []byte { return binary.BigEndian.AppendUint64(nil, v) }
+	insert := func(off int, b ...byte) []byte {
+		return append(append(bytes.Clone(root[:off]), b...), root[off:]...)
+	}
 	cases := map[string]struct {
 		b    []byte
 		want string
@@ -473,6 +489,10 @@ func TestStateHeadRejects(t *testing.T) {
 		"END twice":              {append(bytes.Clone(head), head[end:]...), "after its END"},
 		"section of another id":  {edit(at("\x02"), secPart, 0, 0, 0, 9), "continues no ram START"},
 		"ram section name empty": {edit(memSize+8, 0), "without a name"},
+		"command not taken":      {insert(end, secCmd, 0, 1, 0, 0), "migration command 1 with 0 bytes"},
+		"command with data":      {insert(end, secCmd, 0, cmdSwitchoverStart, 0, 1, 0), "migration command 11 with 1 bytes"},
+		"command before ram":     {insert(start, secCmd, 0, cmdSwitchoverStart, 0, 0), "before the ram section ended"},
+		"command after ram":      {insert(len(head), secCmd, 0, cmdSwitchoverStart, 0, 0), "want a device section"},
 	}
 	for name, c := range cases {
 		h, err := stateHead(c.b)

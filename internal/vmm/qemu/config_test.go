@@ -68,12 +68,14 @@ func TestIdentityArgsStable(t *testing.T) {
 }
 
 // TestJailArgs checks the options that drop QEMU's privileges follow its
-// version: 10.0 refuses -runas and -chroot, and 9.0 has no -run-with
-// user=.
+// version: 9.0 refuses -chroot and 10.0 -runas; 8.0 has no -run-with, and
+// 9.0 no -run-with user=.
 func TestJailArgs(t *testing.T) {
 	for _, c := range []struct{ ver, want string }{
 		{"7.2.22", "-runas forkd-vmm -chroot /run/a,b/jail"},
-		{"9.0.4", "-runas forkd-vmm -chroot /run/a,b/jail"},
+		{"8.0.5", "-runas forkd-vmm -chroot /run/a,b/jail"},
+		{"8.1.0", "-runas forkd-vmm -run-with chroot=/run/a,,b/jail"},
+		{"9.0.4", "-runas forkd-vmm -run-with chroot=/run/a,,b/jail"},
 		{"9.1.0", "-run-with user=forkd-vmm,chroot=/run/a,,b/jail"},
 		{"10.0.2", "-run-with user=forkd-vmm,chroot=/run/a,,b/jail"},
 		{"11.1", "-run-with user=forkd-vmm,chroot=/run/a,,b/jail"},

@@ -330,12 +330,15 @@ func (b *Backend) compatible(ctx context.Context, cfg machineConfig) error {
 }
 
 // jailArgs returns the options that make QEMU of version ver drop to
-// user and chroot into jail once it has opened its files. QEMU 9.1 moved
-// both into -run-with (user= is new there); 10.0 removed -runas and
-// -chroot.
+// user and chroot into jail once it has opened its files. QEMU 8.1 added
+// -run-with chroot= and 9.0 removed -chroot; 9.1 added -run-with user=
+// and 10.0 removed -runas.
 func jailArgs(ver, user, jail string) []string {
-	if versionAtLeast(ver, 9, 1) {
+	switch {
+	case versionAtLeast(ver, 9, 1):
 		return []string{"-run-with", "user=" + escapeOpt(user) + ",chroot=" + escapeOpt(jail)}
+	case versionAtLeast(ver, 8, 1):
+		return []string{"-runas", user, "-run-with", "chroot=" + escapeOpt(jail)}
 	}
 	return []string{"-runas", user, "-chroot", jail}
 }

@@ -23,9 +23,10 @@ import (
 //	end:           0x00 EOF, then 0x06 VMDESCRIPTION (be32 len, JSON)
 //
 // QEMU 10 also sends a command (0x08, be16 command, be16 len, len bytes)
-// before the last ram section: SWITCHOVER_START (11, no data), which tells
-// the loader that every iterative section's data has come. The walker
-// passes it through and takes no other command.
+// before the last ram section: SWITCHOVER_START (11, no data), which says
+// the source has stopped its guest and begins to write the final state
+// (only VFIO devices act on it). The walker passes it through, between
+// the ram START and END sections, and takes no other command.
 //
 // A ram record starts with a be64 holding a page-aligned offset and flags
 // in its low 12 bits. MEM_SIZE lists the RAM blocks (u8 len, name, be64

@@ -290,9 +290,11 @@ func guestPage(n int, fill byte) testPage {
 // liveStream builds a stream like a live migration's from the real
 // pieces: root.state's header, configuration and ram START; PART and END
 // sections that mix its ROM pages with guest pages, CONTINUE carried
-// across sections; devices.xen's device sections and a VMDESCRIPTION. It
-// returns the stream, the guest pages in order, and the ROM pages.
-func liveStream(t testing.TB) ([]byte, []testPage, []testPage) {
+// across sections; devices.xen's device sections and a VMDESCRIPTION.
+// With switchover, a SWITCHOVER_START command precedes the END section,
+// as QEMU 10 writes it. It returns the stream, the guest pages in order,
+// and the ROM pages.
+func liveStream(t testing.TB, switchover bool) ([]byte, []testPage, []testPage) {
 	t.Helper()
 	root := readTestdata(t, "root.state")
 	_, r, _ := walkHead(t, root)
@@ -333,6 +335,9 @@ func liveStream(t testing.TB) ([]byte, []testPage, []testPage) {
 	s.section(secPart, id, add(rom[5:16]...)...)
 	s.section(secPart, id) // a round with nothing dirty
 	s.section(secPart, id, add(guestPage(1, 9), guestPage(65535, 6), rom[16], rom[17])...)
+	if switchover {
+		s.b = append(s.b, secCmd, 0, cmdSwitchoverStart, 0, 0)
+	}
 	s.section(secEnd, id, add(rom[18], guestPage(0, 10), guestPage(7, 11), guestPage(1, 0xee))...)
 	xen := readTestdata(t, "devices.xen")
 	s.b = append(s.b, xen[8:]...)
@@ -344,7 +349,12 @@ func liveStream(t testing.TB) ([]byte, []testPage, []testPage) {
 }
 
 func TestConsumeLive(t *testing.T) {
-	stream, wantGuest, wantROM := liveStream(t)
+	t.Run("QEMU 7.2", func(t *testing.T) { testConsumeLive(t, false) })
+	t.Run("QEMU 10", func(t *testing.T) { testConsumeLive(t, true) })
+}
+
+func testConsumeLive(t *testing.T, switchover bool) {
+	stream, wantGuest, wantROM := liveStream(t, switchover)
 	var got []testPage
 	state, pages, err := consumeLive(bytes.NewReader(stream), testRAM, func(off uint64, data []byte) error {
 		p := testPage{block: guestBlock, addr: off}
@@ -375,6 +385,10 @@ func TestConsumeLive(t *testing.T) {
 	if err != nil {
 		t.Fatalf("state: %v", err)
 	}
+	// QEMU 10's command stays in the state, in its place.
+	if kept := bytes.Contains(head, []byte{secCmd, 0, cmdSwitchoverStart, 0, 0}); kept != switchover {
+		t.Fatalf("SWITCHOVER_START in the state's head: %v, want %v", kept, switchover)
+	}
 	_, r, _ := walkHead(t, state)
 	if fmt.Sprint(r.pages) != fmt.Sprint(wantROM) {
 		t.Fatalf("ROM pages in the state:\n got %v\nwant %v", r.pages, wantROM)
@@ -402,7 +416,7 @@ func TestConsumeLive(t *testing.T) {
 }
 
 func TestConsumeLiveErrors(t *testing.T) {
-	stream, _, _ := liveStream(t)
+	stream, _, _ := liveStream(t, false)
 	boom := errors.New("boom")
 	n := 0
 	_, _, err := consumeLive(bytes.NewReader(stream), testRAM, func(uint64, []byte) error {
@@ -501,7 +515,7 @@ func TestStateHeadRejects(t *testing.T) {
 		}
 	}
 	// Guest RAM in a base state would be loaded over the memory file.
-	stream, _, _ := liveStream(t)
+	stream, _, _ := liveStream(t, false)
 	if _, err := stateHead(stream); !errors.Is(err, errStream) {
 		t.Errorf("a state with guest RAM: %v", err)
 	}
@@ -547,8 +561,10 @@ func FuzzStateHead(f *testing.F) {
 }
 
 func FuzzConsumeLive(f *testing.F) {
-	stream, _, _ := liveStream(f)
-	f.Add(stream)
+	for _, switchover := range []bool{false, true} {
+		stream, _, _ := liveStream(f, switchover)
+		f.Add(stream)
+	}
 	f.Add(readTestdata(f, "live.state"))
 	f.Fuzz(func(t *testing.T, b []byte) {
 		state, _, err := consumeLive(bytes.NewReader(b), testRAM, func(off uint64, data []byte) error {

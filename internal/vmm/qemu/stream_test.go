@@ -146,9 +146,8 @@ func TestStateHeadOfSnapshots(t *testing.T) {
 	if head[end] != secEnd {
 		t.Fatalf("root.state's head does not end with a bare ram END section")
 	}
-	cmd := []byte{secCmd, 0, cmdSwitchoverStart, 0, 0}
-	b := append(append(bytes.Clone(root[:end]), cmd...), root[end:]...)
-	if got, err := stateHead(b); err != nil || !bytes.Equal(got, append(append(bytes.Clone(head[:end]), cmd...), head[end:]...)) {
+	b := append(append(bytes.Clone(root[:end]), switchoverStart...), root[end:]...)
+	if got, err := stateHead(b); err != nil || !bytes.Equal(got, append(append(bytes.Clone(head[:end]), switchoverStart...), head[end:]...)) {
 		t.Fatalf("a head with SWITCHOVER_START: %d bytes, %v", len(got), err)
 	}
 	if got := runState(t, readTestdata(t, "live.state")); got != "paused/7" {
@@ -283,6 +282,10 @@ func (s *streamBuilder) section(t byte, id uint32, pages ...testPage) {
 	s.be32(id)
 }
 
+// switchoverStart is the SWITCHOVER_START command section QEMU 10 writes
+// before the last ram section.
+var switchoverStart = []byte{secCmd, 0, cmdSwitchoverStart, 0, 0}
+
 func guestPage(n int, fill byte) testPage {
 	return testPage{block: guestBlock, addr: uint64(n) * pageSize, data: bytes.Repeat([]byte{fill}, pageSize)}
 }
@@ -336,7 +339,7 @@ func liveStream(t testing.TB, switchover bool) ([]byte, []testPage, []testPage) 
 	s.section(secPart, id) // a round with nothing dirty
 	s.section(secPart, id, add(guestPage(1, 9), guestPage(65535, 6), rom[16], rom[17])...)
 	if switchover {
-		s.b = append(s.b, secCmd, 0, cmdSwitchoverStart, 0, 0)
+		s.b = append(s.b, switchoverStart...)
 	}
 	s.section(secEnd, id, add(rom[18], guestPage(0, 10), guestPage(7, 11), guestPage(1, 0xee))...)
 	xen := readTestdata(t, "devices.xen")
@@ -386,7 +389,7 @@ func testConsumeLive(t *testing.T, switchover bool) {
 		t.Fatalf("state: %v", err)
 	}
 	// QEMU 10's command stays in the state, in its place.
-	if kept := bytes.Contains(head, []byte{secCmd, 0, cmdSwitchoverStart, 0, 0}); kept != switchover {
+	if kept := bytes.Contains(head, switchoverStart); kept != switchover {
 		t.Fatalf("SWITCHOVER_START in the state's head: %v, want %v", kept, switchover)
 	}
 	_, r, _ := walkHead(t, state)
@@ -505,8 +508,8 @@ func TestStateHeadRejects(t *testing.T) {
 		"ram section name empty": {edit(memSize+8, 0), "without a name"},
 		"command not taken":      {insert(end, secCmd, 0, 1, 0, 0), "migration command 1 with 0 bytes"},
 		"command with data":      {insert(end, secCmd, 0, cmdSwitchoverStart, 0, 1, 0), "migration command 11 with 1 bytes"},
-		"command before ram":     {insert(start, secCmd, 0, cmdSwitchoverStart, 0, 0), "before the ram section ended"},
-		"command after ram":      {insert(len(head), secCmd, 0, cmdSwitchoverStart, 0, 0), "want a device section"},
+		"command before ram":     {insert(start, switchoverStart...), "before the ram section ended"},
+		"command after ram":      {insert(len(head), switchoverStart...), "want a device section"},
 	}
 	for name, c := range cases {
 		h, err := stateHead(c.b)

@@ -55,8 +55,9 @@ func parseNetConfig(cmdline map[string]string) (cfg netConfig, ok bool, err erro
 	return cfg, true, nil
 }
 
-// configureNetwork waits for the first ethernet interface, gives it cfg's
-// address, brings it up and adds the default route, over rtnetlink.
+// configureNetwork waits for the first ethernet interface, turns IPv6 off
+// on it, gives it cfg's address, brings it up and adds the default route,
+// over rtnetlink.
 func configureNetwork(cfg netConfig, wait time.Duration) error {
 	name, err := firstEther(wait)
 	if err != nil {
@@ -65,6 +66,17 @@ func configureNetwork(cfg netConfig, wait time.Duration) error {
 	idx, err := ifIndex(name)
 	if err != nil {
 		return err
+	}
+	// IPv4 only, like the host's end of the link and the egress policy,
+	// which drop IPv6. With it on, each child, once its link's carrier
+	// is back after the restore, would configure a link-local address
+	// (duplicate address detection, multicast listener reports) and then
+	// solicit a router for ever, backing off to once an hour: packets
+	// nobody receives, timers that wake an idle child, and under TCG code
+	// every child translates. Loopback keeps ::1.
+	err = os.WriteFile("/proc/sys/net/ipv6/conf/"+name+"/disable_ipv6", []byte("1"), 0)
+	if err != nil && !errors.Is(err, os.ErrNotExist) {
+		return fmt.Errorf("IPv6 off on %s: %w", name, err)
 	}
 	if err := setUp(name); err != nil {
 		return fmt.Errorf("%s up: %w", name, err)

@@ -12,6 +12,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -146,6 +147,15 @@ func TestIsolation(t *testing.T) {
 			if err != nil || strings.TrimSpace(body) != k.ID {
 				t.Fatalf("published port of %s = %q, %v", k.ID, body, err)
 			}
+		}
+	})
+	t.Run("IPv4OnlyOnTheLink", func(t *testing.T) {
+		// IPv6 is off on the guest's NIC (the host's end and the policy
+		// drop it: the guest would solicit a router there for ever);
+		// loopback keeps ::1.
+		out, code := run(t, e, kids[0].ID, "cat /proc/sys/net/ipv6/conf/eth0/disable_ipv6 /proc/sys/net/ipv6/conf/lo/disable_ipv6; grep -c ' lo$' /proc/net/if_inet6")
+		if f := strings.Fields(out); code != 0 || !slices.Equal(f, []string{"1", "0", "1"}) {
+			t.Fatalf("disable_ipv6 of eth0 and lo, and loopback's IPv6 addresses: %q (exit %d); want 1, 0 and 1", out, code)
 		}
 	})
 	t.Run("ChildrenCannotReachEachOther", func(t *testing.T) {

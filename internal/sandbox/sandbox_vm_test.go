@@ -105,6 +105,14 @@ func TestForkTen(t *testing.T) {
 	if code != 0 || off != (accel == "tcg") || off && !strings.Contains(out, "\nVulnerable") {
 		t.Errorf("guest kernel command line and spectre_v2 under %s: %q (exit %d)", accel, out, code)
 	}
+	// Nor does it account pressure stalls under TCG (psi=0): nothing in a
+	// guest reads them, and each context switch would pay for them.
+	if strings.Contains(out, " psi=0") != (accel == "tcg") {
+		t.Errorf("guest kernel command line under %s: %q", accel, out)
+	}
+	if out, _ := run(t, e, ids[0], "test -d /proc/pressure && echo psi || echo none"); accel == "tcg" && strings.TrimSpace(out) != "none" {
+		t.Errorf("guest's /proc/pressure under TCG: %q, want none", out)
+	}
 	// A file written in one child is absent in the others.
 	if _, code := run(t, e, ids[0], "echo secret > /tmp/mine && cat /tmp/mine"); code != 0 {
 		t.Fatal("write in child 0 failed")

@@ -552,4 +552,9 @@ var baseCmdline = []string{"console=ttyS0", "panic=-1", "quiet", "nowatchdog", "
 // cost: without them the first exec after a page-out took 6-28 ms less
 // at the p50, in three pairs of 30-child runs (docs/benchmarks.md). Under
 // KVM the guest's mitigations stay.
-var tcgCmdline = []string{"tsc=reliable", "mitigations=off"}
+//
+// No pressure stall accounting (PSI): nothing in a guest reads it, and it
+// runs on every context switch, and in a worker every two seconds, which
+// comes due at a wake. Without it an exec ran 2 % fewer translated blocks,
+// and six in a row 4-7 % fewer pages of them (docs/benchmarks.md).
+var tcgCmdline = []string{"tsc=reliable", "mitigations=off", "psi=0"}

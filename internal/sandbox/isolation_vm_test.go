@@ -140,7 +140,7 @@ func TestIsolation(t *testing.T) {
 	t.Run("NoAnnouncementAfterRestore", func(t *testing.T) {
 		// A restored child has not moved, so QEMU does not have it
 		// announce its address as after a migration (a gratuitous ARP a
-		// round, five rounds in 1.25 s): before anyone talks to it, it
+		// round, five rounds in 0.8 s): before anyone talks to it, it
 		// has sent nothing since its parent was saved.
 		time.Sleep(time.Until(forked.Add(2 * time.Second)))
 		out, code := run(t, e, kids[0].ID, "cat /tmp/tx-parent /sys/class/net/eth0/statistics/tx_packets")

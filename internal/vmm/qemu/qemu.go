@@ -311,10 +311,6 @@ func (b *Backend) Park(ctx context.Context, spec vmm.ParkSpec) (vmm.Parked, erro
 		q.close()
 		return nil, m.fail(err)
 	}
-	if err := q.execute(ctx, "migrate-set-parameters", noAnnounce, nil, -1); err != nil {
-		q.close()
-		return nil, m.fail(err)
-	}
 	return &parked{m: m, q: q}, nil
 }
 

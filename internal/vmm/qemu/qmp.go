@@ -251,14 +251,3 @@ func (q *qmp) runStatus(ctx context.Context) (string, error) {
 var ignoreShared = map[string]any{
 	"capabilities": []map[string]any{{"capability": "x-ignore-shared", "state": true}},
 }
-
-// noAnnounce turns off what QEMU does for a migrated machine's network
-// once the state is in: announce its NICs' addresses, five rounds over
-// 0.8 s. A virtio-net guest is asked to (a config interrupt, and the
-// guest sends a gratuitous ARP, rejoins its multicast groups, notifies
-// its own netlink listeners and acknowledges); other NICs have QEMU send
-// a RARP for them. That tells switches where a machine that moved is
-// now. A restored child has not moved: its link is a tap of its own,
-// whose end never saw it elsewhere, so each announcement only cost its
-// guest interrupts and code it translated under TCG.
-var noAnnounce = map[string]any{"announce-rounds": 0}

@@ -44,6 +44,7 @@ func scaleReclaimed(ctx context.Context, e *sandbox.Engine, ids []string, pids [
 	e.WaitPageIns()
 	after := e.FreezeStats()
 	r.SiblingPageIns = after.SiblingPageIns - before.SiblingPageIns
+	r.SiblingCodePageIns = after.SiblingCodePageIns - before.SiblingCodePageIns
 	_, r.SiblingPageInMiB, r.SiblingPageInMS = pageInsSince(before, after)
 	if r.AfterWakeMemory, err = childMemory(pids, &r.ChildrenLost); err != nil {
 		return err

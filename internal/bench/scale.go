@@ -142,7 +142,8 @@ type ScaleResult struct {
 	// faults on demand and is noted for its siblings, whose wakes read
 	// those pages of theirs back while their guests run: SiblingPageIns
 	// wakes did, reading SiblingPageInMiB in SiblingPageInMS each
-	// (means).
+	// (means); SiblingCodePageIns of them found the sibling's
+	// translated code by block in their own code buffers.
 	AllReclaimedMS      float64      `json:"all_reclaimed_ms,omitempty"`
 	Reclaimed           int          `json:"reclaimed"`
 	ReclaimedMemory     *ChildMemory `json:"reclaimed_memory,omitempty"`
@@ -152,6 +153,7 @@ type ScaleResult struct {
 	SiblingPageIns      int64        `json:"sibling_page_ins"`
 	SiblingPageInMiB    float64      `json:"sibling_page_in_mib,omitempty"`
 	SiblingPageInMS     float64      `json:"sibling_page_in_ms,omitempty"`
+	SiblingCodePageIns  int64        `json:"sibling_code_page_ins"`
 	AfterWakeMemory     *ChildMemory `json:"after_wake_memory,omitempty"`
 	// Then, every child frozen again (not paged out again), an exec in
 	// each, and the memory after it: the state of a child the daemon

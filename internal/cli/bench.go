@@ -239,8 +239,8 @@ func benchScale(cmd *cobra.Command, g *globals, o bench.ScaleOptions, asJSON boo
 	if m := r.ReclaimedMemory; m != nil {
 		fmt.Fprintf(g.stdout, "paged out (%d, in %.0f s): resident p50 %.1f MiB, swap p50 %.1f MiB; host per child %.1f MiB (%.1f compacted; zram holds %.2f of what it stores)\n",
 			r.Reclaimed, r.AllReclaimedMS/1000, m.PrivateMiB.P50, m.SwapMiB.P50, m.HostMiB, m.HostCompactedMiB, m.ZramCompactedPerOrig)
-		fmt.Fprintf(g.stdout, "exec over all, each woken from paged out: p50 %.0f ms, p90 %.0f ms, p99 %.0f ms (mean wake %.0f ms; %d read back a sibling's %.1f MiB in %.0f ms); awake: p50 %.0f ms\n",
-			r.ExecReclaimed.P50, r.ExecReclaimed.P90, r.ExecReclaimed.P99, r.MeanWakeReclaimedMS, r.SiblingPageIns, r.SiblingPageInMiB, r.SiblingPageInMS, r.ExecAwakeReclaimed.P50)
+		fmt.Fprintf(g.stdout, "exec over all, each woken from paged out: p50 %.0f ms, p90 %.0f ms, p99 %.0f ms (mean wake %.0f ms; %d read back a sibling's %.1f MiB in %.0f ms, %d its code by block); awake: p50 %.0f ms\n",
+			r.ExecReclaimed.P50, r.ExecReclaimed.P90, r.ExecReclaimed.P99, r.MeanWakeReclaimedMS, r.SiblingPageIns, r.SiblingPageInMiB, r.SiblingPageInMS, r.SiblingCodePageIns, r.ExecAwakeReclaimed.P50)
 	}
 	afterExec := func(m *bench.ChildMemory) {
 		fmt.Fprintf(g.stdout, "after that exec: resident p50 %.1f MiB p90 %.1f MiB, swap p50 %.1f MiB; host per child %.1f MiB (%.1f compacted)\n",

@@ -24,6 +24,9 @@ import (
 type Notes struct {
 	layout []mapDesc // the noted process's private mappings
 	runs   []noteRun // in the order of Note's spans
+	// code holds the keys of the blocks on the noted pages of the
+	// process's code buffer (WithCode), sorted; nil if not known.
+	code []uint32
 }
 
 // noteRun is len bytes from off into the mapping layout[m].
@@ -40,6 +43,10 @@ type mapDesc struct {
 	start, size uint64
 	name, perms string
 }
+
+// CodeBlocks returns how many blocks of translated code the notes know
+// by what they translate (WithCode).
+func (n Notes) CodeBlocks() int { return len(n.code) }
 
 // Bytes returns how many bytes the notes name.
 func (n Notes) Bytes() uint64 {
@@ -147,24 +154,68 @@ func noteSpans(maps []byte, spans []Span) Notes {
 	return n
 }
 
+// WithCode returns n with the keys of the blocks on its pages of the
+// noted process's code buffer, by l, that process's CodeLayout (Place
+// then finds those blocks wherever another process has them); n as it
+// is if l names no blocks or was not read of that buffer.
+func (n Notes) WithCode(l CodeLayout) Notes {
+	if l.Blocks() == 0 {
+		return n
+	}
+	m := -1
+	for i, d := range n.layout {
+		if d.isCode() {
+			if m >= 0 || d.start != l.base {
+				return n
+			}
+			m = i
+		}
+	}
+	var runs []noteRun
+	for _, r := range n.runs {
+		if r.m == m {
+			runs = append(runs, r)
+		}
+	}
+	if m < 0 || len(runs) == 0 {
+		return n
+	}
+	n.code = l.keysOn(runs)
+	return n
+}
+
 // placeNotes returns the spans notes name in the process whose maps text
 // is maps, in address order, adjacent ones joined: a run whose mapping
 // pairs with none there is left out, and one that goes past the end of
-// the mapping it pairs with is cut short.
-func placeNotes(maps []byte, n Notes) []Span {
+// the mapping it pairs with is cut short. If code (that process's layout
+// of its code buffer) names blocks and n has their keys, n's runs in its
+// code buffer give way to the pages of those blocks in code.
+func placeNotes(maps []byte, n Notes, code CodeLayout) []Span {
 	if len(n.runs) == 0 {
 		return nil
 	}
 	to := privateLayout(maps)
+	if d, ok := codeBuffer(maps); !ok || d.start != code.base || n.code == nil {
+		code = CodeLayout{}
+	}
 	pair := pairLayouts(n.layout, to)
 	var spans []Span
 	for _, r := range n.runs {
 		j := pair[r.m]
-		if j < 0 || r.off >= to[j].size {
+		if j < 0 || r.off >= to[j].size || code.Blocks() > 0 && n.layout[r.m].isCode() {
 			continue
 		}
 		spans = append(spans, Span{to[j].start + r.off, min(r.len, to[j].size-r.off)})
 	}
+	if code.Blocks() > 0 {
+		spans = append(spans, code.spans(n.code)...)
+	}
+	return joinSpans(spans)
+}
+
+// joinSpans sorts spans by address and joins those that touch or
+// overlap, in place.
+func joinSpans(spans []Span) []Span {
 	slices.SortFunc(spans, func(a, b Span) int { return cmp.Compare(a.Start, b.Start) })
 	out := spans[:0]
 	for _, s := range spans {
@@ -200,14 +251,17 @@ func NoteResident(id Identity, maxBytes uint64, maxRuns int) (Notes, error) {
 
 // Place returns the spans of the process named by id that notes (taken
 // of another process of the same program, by Note) name: what PageIn
-// reads back. Runs in mappings it lacks are left out. It fails with a
-// NotFound-class error once the process has exited.
-func Place(id Identity, n Notes) ([]Span, error) {
+// reads back. Runs in mappings it lacks are left out. With code, the
+// layout of its code buffer (ReadCodeLayout, read while it still had the
+// blocks it has now), and notes that know their blocks (WithCode), the
+// blocks are found by what they translate instead of by offset. It
+// fails with a NotFound-class error once the process has exited.
+func Place(id Identity, n Notes, code CodeLayout) ([]Span, error) {
 	maps, err := readMaps(id)
 	if err != nil {
 		return nil, err
 	}
-	return placeNotes(maps, n), nil
+	return placeNotes(maps, n, code), nil
 }
 
 // readMaps reads /proc/PID/maps of the process named by id.

@@ -62,7 +62,7 @@ func TestNotesPlace(t *testing.T) {
 	if got, want := n.Bytes(), uint64(0x12000); got != want {
 		t.Fatalf("notes name %#x bytes, want %#x", got, want)
 	}
-	got := placeNotes([]byte(mapsB), n)
+	got := placeNotes([]byte(mapsB), n, CodeLayout{})
 	want := []Span{
 		{0x56e000100000, 0x2000},
 		{0x56e002000000, 0x1000},
@@ -77,7 +77,7 @@ func TestNotesPlace(t *testing.T) {
 		t.Fatalf("placed %#x, want %#x", got, want)
 	}
 	// In the process they were noted in, they are where they were.
-	back := placeNotes([]byte(mapsA), n)
+	back := placeNotes([]byte(mapsA), n, CodeLayout{})
 	wantA := []Span{
 		{0x55d000100000, 0x2000},
 		{0x55d001000000, 0x1000},
@@ -92,7 +92,7 @@ func TestNotesPlace(t *testing.T) {
 	if !slices.Equal(back, wantA) {
 		t.Fatalf("placed back %#x, want %#x", back, wantA)
 	}
-	if got := placeNotes([]byte(mapsB), Notes{}); got != nil {
+	if got := placeNotes([]byte(mapsB), Notes{}, CodeLayout{}); got != nil {
 		t.Fatalf("zero notes placed %#x", got)
 	}
 }
@@ -112,7 +112,7 @@ func TestNotePlaceSelf(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	placed, err := Place(id, n)
+	placed, err := Place(id, n, CodeLayout{})
 	if err != nil {
 		t.Fatal(err)
 	}

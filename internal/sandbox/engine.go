@@ -300,7 +300,8 @@ func New(cfg Config) (*Engine, error) {
 		idle: idler{
 			m: map[string]*idleState{}, reclaimAfter: cfg.IdleReclaim, siblings: map[string]proc.Notes{}, noting: map[string]bool{},
 			pageOut: proc.PageOut, resident: proc.ResidentAnon, pageIn: proc.PageIn, swapFree: hostSwapFree, compact: proc.CompactZramSwap,
-			noteResident: proc.NoteResident, place: proc.Place, inbound: cfg.Net.Inbound,
+			noteResident: proc.NoteResident, place: proc.Place, codeLayout: proc.ReadCodeLayout,
+			inbound: cfg.Net.Inbound,
 		},
 		images: &image.Builder{
 			CacheDir:  cfg.CacheDir,

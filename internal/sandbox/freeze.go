@@ -89,8 +89,12 @@ type FreezeStats struct {
 	PageInBytes   int64   `json:"page_in_bytes"`
 	PageInSeconds float64 `json:"page_in_seconds"`
 	// SiblingPageIns counts those of PageIns that followed a sandbox's
-	// first page-out and read back what a sibling's wake used.
-	SiblingPageIns int64 `json:"sibling_page_ins"`
+	// first page-out and read back what a sibling's wake used;
+	// SiblingCodePageIns those of them that found the sibling's
+	// translated code by block in the sandbox's own code buffer
+	// (proc.CodeLayout), not by offset.
+	SiblingPageIns     int64 `json:"sibling_page_ins"`
+	SiblingCodePageIns int64 `json:"sibling_code_page_ins"`
 }
 
 // idleState is what the idle watch knows of one sandbox.
@@ -143,6 +147,10 @@ type idleState struct {
 	// noted for its siblings.
 	snap            string
 	firstOut, learn bool
+	// code is the layout of the VMM's code buffer, read at its first
+	// page-out (the whole buffer resident then), until the wake after it
+	// has read back a sibling's pages by it or noted its own for them.
+	code proc.CodeLayout
 	// resync is set by a thaw: the next client of the sandbox tells the
 	// guest the time first (takeClock). setting is open while a client
 	// does; the clients after it wait for it to close.
@@ -184,16 +192,18 @@ type idler struct {
 	noting   map[string]bool
 	// pageOut, resident, pageIn, swapFree and compact are
 	// proc.PageOut, proc.ResidentAnon, proc.PageIn, the host's free
-	// swap and proc.CompactZramSwap; noteResident and place are
-	// proc.NoteResident and proc.Place; inbound is the network
-	// manager's Inbound. Unit tests replace them.
+	// swap and proc.CompactZramSwap; noteResident, place and
+	// codeLayout are proc.NoteResident, proc.Place and
+	// proc.ReadCodeLayout; inbound is the network manager's Inbound.
+	// Unit tests replace them.
 	pageOut      func(proc.Identity, func() bool) (int64, error)
 	resident     func(proc.Identity, uint64, int) ([]proc.Span, error)
 	pageIn       func(proc.Identity, []proc.Span) (int64, error)
 	swapFree     func() (uint64, error)
 	compact      func() (int, int64, error)
 	noteResident func(proc.Identity, uint64, int) (proc.Notes, error)
-	place        func(proc.Identity, proc.Notes) ([]proc.Span, error)
+	place        func(proc.Identity, proc.Notes, proc.CodeLayout) ([]proc.Span, error)
+	codeLayout   func(proc.Identity) (proc.CodeLayout, error)
 	inbound      func(slot int) (uint64, error)
 }
 
@@ -288,13 +298,17 @@ func (e *Engine) hold(id string, request bool) (release func(), clock wakeClock,
 	release = func() {
 		e.idle.mu.Lock()
 		learn := false
+		var code proc.CodeLayout
 		if st.busy--; st.busy == 0 {
 			st.last = time.Now()
 			learn, st.learn = st.learn, false
+			if learn {
+				code, st.code = st.code, proc.CodeLayout{}
+			}
 		}
 		e.idle.mu.Unlock()
 		if learn {
-			go e.noteSiblings(id, st)
+			go e.noteSiblings(id, st, code)
 		}
 	}
 	if frozen {
@@ -340,6 +354,10 @@ func (e *Engine) thaw(id string, st *idleState, request bool) error {
 		}
 	}
 	st.firstOut = false
+	code := st.code
+	if !st.learn {
+		st.code = proc.CodeLayout{}
+	}
 	pageIn := st.hot != nil || notes.Bytes() > 0
 	if pageIn {
 		st.pagingIn = true
@@ -348,7 +366,7 @@ func (e *Engine) thaw(id string, st *idleState, request bool) error {
 	w.Close()
 	if pageIn {
 		go func() {
-			e.pageInHot(id, st, notes)
+			e.pageInHot(id, st, notes, code)
 			e.idle.mu.Lock()
 			st.pagingIn = false
 			e.idle.mu.Unlock()
@@ -606,6 +624,7 @@ func (e *Engine) freeze(id string) error {
 	st.frozen, st.cpuAt, st.frozenAt = true, time.Time{}, time.Now()
 	st.gen++
 	st.tried, st.reclaimed, st.hot, st.firstOut, st.learn = false, false, nil, false, false
+	st.code = proc.CodeLayout{}
 	st.counted.failedAt = time.Time{}
 	e.idle.stats.Freezes++
 	e.idle.mu.Unlock()

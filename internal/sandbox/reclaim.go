@@ -141,8 +141,11 @@ func (e *Engine) reclaim(ctx context.Context, jobs []reclaimJob) {
 		// what the next wake will want. A first page-out finds the whole
 		// VMM resident, which tells nothing.
 		var hot []proc.Span
+		var code proc.CodeLayout
 		if again {
 			hot, learned = e.hotSet(j, readBack, learned)
+		} else {
+			code = e.readCodeLayout(j)
 		}
 		moved, err := e.idle.pageOut(j.pid, func() bool {
 			e.idle.mu.Lock()
@@ -168,7 +171,7 @@ func (e *Engine) reclaim(ctx context.Context, jobs []reclaimJob) {
 		if moved > 0 {
 			if e.idle.m[j.id] == st && e.stillFrozen(j) {
 				st.reclaimed, st.hot, st.learned = true, hot, learned
-				st.readBack, st.firstOut = hot != nil, !again
+				st.readBack, st.firstOut, st.code = hot != nil, !again, code
 			}
 			st.swapped = true
 			e.idle.stats.Reclaims++
@@ -227,15 +230,30 @@ func (e *Engine) hotSet(j reclaimJob, readBack bool, learned uint64) ([]proc.Spa
 	return spans, learned
 }
 
+// readCodeLayout reads the layout of the code buffer of j's VMM, before
+// its first page-out: a sibling's notes find their translated code in it
+// at its first wake (proc.CodeLayout). Without one (a KVM guest has no
+// code buffer) they find it by offset.
+func (e *Engine) readCodeLayout(j reclaimJob) proc.CodeLayout {
+	code, err := e.idle.codeLayout(j.pid)
+	switch {
+	case errors.Is(err, proc.ErrNoCodeBuffer), errdefs.IsNotFound(err):
+	case err != nil:
+		e.log.Warn("idle watch: read the layout of a VMM's translated code", "sandbox", j.id, "err", err)
+	}
+	return code
+}
+
 // pageInHot reads back the pages st's last page-out found resident, if
 // the freeze just ended paged it out, or else those sibling names (a
-// sibling's, placed in st's VMM by proc.Place): its guest then faults on
-// fewer of them. It runs beside the woken guest (thaw starts it), which
+// sibling's, placed in st's VMM by proc.Place, its translated code by
+// code, the layout of its code buffer): its guest then faults on fewer
+// of them. It runs beside the woken guest (thaw starts it), which
 // takes a fault on a page it wants before the read-back gets there; on a
 // 2-core TCG host the first exec after a later page-out took 1-19 % less
 // at the p50 than with all read back before the thaw
 // (docs/benchmarks.md). A failure only costs the wake those faults.
-func (e *Engine) pageInHot(id string, st *idleState, sibling proc.Notes) {
+func (e *Engine) pageInHot(id string, st *idleState, sibling proc.Notes, code proc.CodeLayout) {
 	e.idle.mu.Lock()
 	hot, pid := st.hot, st.pid
 	st.hot = nil
@@ -244,7 +262,7 @@ func (e *Engine) pageInHot(id string, st *idleState, sibling proc.Notes) {
 	var err error
 	fromSibling := hot == nil && sibling.Bytes() > 0
 	if fromSibling {
-		hot, err = e.idle.place(pid, sibling)
+		hot, err = e.idle.place(pid, sibling, code)
 	}
 	if hot == nil {
 		if err != nil && !errdefs.IsNotFound(err) {
@@ -267,6 +285,9 @@ func (e *Engine) pageInHot(id string, st *idleState, sibling proc.Notes) {
 	e.idle.stats.PageInSeconds += took.Seconds()
 	if fromSibling {
 		e.idle.stats.SiblingPageIns++
+		if sibling.CodeBlocks() > 0 && code.Blocks() > 0 {
+			e.idle.stats.SiblingCodePageIns++
+		}
 	}
 	e.idle.mu.Unlock()
 	e.log.Debug("sandbox paged in", "sandbox", id, "mib", read>>20, "ms", took.Milliseconds(), "sibling", fromSibling)
@@ -276,8 +297,9 @@ func (e *Engine) pageInHot(id string, st *idleState, sibling proc.Notes) {
 // wakes of its siblings (idler.siblings), unless one of them has been
 // noted already. Its last wake was from its first page-out and read
 // nothing back, and its request has just ended: what is resident is what
-// that wake and request faulted back.
-func (e *Engine) noteSiblings(id string, st *idleState) {
+// that wake and request faulted back. code is the layout of its code
+// buffer before that page-out: the notes name the translated code by it.
+func (e *Engine) noteSiblings(id string, st *idleState, code proc.CodeLayout) {
 	e.idle.mu.Lock()
 	snap, pid := st.snap, st.pid
 	if _, ok := e.idle.siblings[snap]; ok || e.idle.noting[snap] {
@@ -290,7 +312,7 @@ func (e *Engine) noteSiblings(id string, st *idleState) {
 	e.idle.mu.Lock()
 	delete(e.idle.noting, snap)
 	if err == nil && notes.Bytes() > 0 {
-		e.idle.siblings[snap] = notes
+		e.idle.siblings[snap] = notes.WithCode(code)
 	}
 	e.idle.mu.Unlock()
 	switch {

@@ -222,8 +222,8 @@ func TestIdleWakePageIn(t *testing.T) {
 		var wg sync.WaitGroup
 		e.idleTick(context.Background(), &wg)
 		wg.Wait()
-		e.pageInHot("a", st, proc.Notes{})
-		e.pageInHot("a", st, proc.Notes{})
+		e.pageInHot("a", st, proc.Notes{}, proc.CodeLayout{})
+		e.pageInHot("a", st, proc.Notes{}, proc.CodeLayout{})
 		if resident != wantResident || pagedIn != wantPagedIn {
 			t.Fatalf("page-out %d: resident pages read %d times, read back %d; want %d and %d", gen, resident, pagedIn, wantResident, wantPagedIn)
 		}
@@ -392,7 +392,7 @@ func TestSiblingPageIn(t *testing.T) {
 	if !a.learn || len(read) != 0 {
 		t.Fatalf("first wake of the snapshot: learn %v, read back %v", a.learn, read)
 	}
-	e.noteSiblings("a", a) // what its request's release starts
+	e.noteSiblings("a", a, proc.CodeLayout{}) // what its request's release starts
 	if n := e.idle.siblings["s"]; n.Bytes() != uint64(4*page) {
 		t.Fatalf("noted %d bytes for the siblings, want %d", n.Bytes(), 4*page)
 	}

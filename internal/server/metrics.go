@@ -106,6 +106,7 @@ func newMetrics(s *Server, reg *prometheus.Registry) *metrics {
 		{"forkd_sandbox_page_in_bytes_total", "What those wakes read back.", false, func(st sandbox.FreezeStats) float64 { return float64(st.PageInBytes) }},
 		{"forkd_sandbox_page_in_seconds_total", "Time those wakes spent reading back, beside their guests (not in forkd_sandbox_wake_seconds_total).", false, func(st sandbox.FreezeStats) float64 { return st.PageInSeconds }},
 		{"forkd_sandbox_sibling_page_ins_total", "Of those wakes, the ones from a first page-out, which read back the pages a sibling of the same snapshot used.", false, func(st sandbox.FreezeStats) float64 { return float64(st.SiblingPageIns) }},
+		{"forkd_sandbox_sibling_code_page_ins_total", "Of those, the ones that found the sibling's translated code by block in their own VMM's code buffer (TCG).", false, func(st sandbox.FreezeStats) float64 { return float64(st.SiblingCodePageIns) }},
 	}
 	for _, c := range idle {
 		f := func() float64 { return c.v(s.e.FreezeStats()) }

@@ -34,8 +34,13 @@ import (
 // once its request has ended the idle watch notes what it
 // has resident, by mapping and offset (proc.NoteResident); the first wakes of
 // the others read those pages of theirs back (proc.Place), beside the
-// guest. Their next page-outs learn what is resident then, the pages of
-// the sibling's they did not use with it (1.4-2.1 MiB here), as their own.
+// guest. Translated code is the exception: each VMM's code buffer holds
+// the same blocks in another order, so the notes name the blocks on the
+// noted pages (Notes.WithCode), and a sibling reads back the pages its
+// own buffer has them on, by the layout of that buffer the idle watch
+// read before its first page-out (proc.ReadCodeLayout). Their next
+// page-outs learn what is resident then, the pages of the sibling's they
+// did not use with it, as their own.
 // Pages faulted back (and those of a paged-out sandbox that goes) leave
 // holes in zram's pool, which takes RAM until compacted: the idle watch
 // asks zram to compact its pools a while after such a wake or kill

@@ -51,8 +51,13 @@ const (
 )
 
 // codeBlockPages bounds the pages one block is taken to span: a block
-// is at most a few KiB of host code.
-const codeBlockPages = 64
+// is at most a few KiB of host code. codeBufferMax bounds the buffers
+// read (forkd gives QEMU's 32 MiB): what one holds, and a layout of it,
+// takes memory in proportion.
+const (
+	codeBlockPages = 64
+	codeBufferMax  = 256 << 20
+)
 
 // CodeLayout is where the blocks in a process's code buffer lie: each
 // block's key (a hash of what QEMU translated it from) with the pages of
@@ -71,7 +76,8 @@ func (l CodeLayout) Blocks() int { return len(l.keys) }
 var ErrNoCodeBuffer = errors.New("no code buffer with known block headers")
 
 // codeBuffer returns the code buffer in a /proc/PID/maps text: its only
-// private anonymous mapping that is writable and executable.
+// private anonymous mapping that is writable and executable, if it is
+// no larger than codeBufferMax.
 func codeBuffer(maps []byte) (mapDesc, bool) {
 	var found mapDesc
 	n := 0
@@ -80,7 +86,7 @@ func codeBuffer(maps []byte) (mapDesc, bool) {
 			found, n = d, n+1
 		}
 	}
-	return found, n == 1
+	return found, n == 1 && found.size <= codeBufferMax
 }
 
 // codeCandidate is a cache line of the buffer at off whose pointer lies

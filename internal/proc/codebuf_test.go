@@ -182,3 +182,26 @@ func TestCodeLayoutNoBlocks(t *testing.T) {
 		t.Fatalf("random bytes: %v, want ErrNoCodeBuffer", err)
 	}
 }
+
+// TestCodeBufferPick: the code buffer is the one private anonymous
+// writable, executable mapping, and not one past codeBufferMax.
+func TestCodeBufferPick(t *testing.T) {
+	const rest = `55d000000000-55d000100000 r-xp 00000000 fd:01 100 /usr/bin/qemu
+7f1000000000-7f1000004000 rwxp 00008000 fd:01 200 /usr/lib/libjit.so
+7f3000000000-7f3002000000 rwxs 00000000 00:01 9 /memfd:code (deleted)
+`
+	for _, c := range []struct {
+		maps string
+		ok   bool
+	}{
+		{rest, false},
+		{rest + "7f2000000000-7f2002000000 rwxp 00000000 00:00 0\n", true},
+		{rest + "7f2000000000-7f2002000000 rwxp 00000000 00:00 0\n7f4000000000-7f4000001000 rwxp 00000000 00:00 0\n", false},
+		{rest + "7f2000000000-7f2020000000 rwxp 00000000 00:00 0\n", false}, // 512 MiB
+	} {
+		d, ok := codeBuffer([]byte(c.maps))
+		if ok != c.ok || ok && d.start != 0x7f2000000000 {
+			t.Errorf("%q: %+v %v, want %v", c.maps, d, ok, c.ok)
+		}
+	}
+}

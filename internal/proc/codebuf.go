@@ -43,7 +43,8 @@ const (
 
 // codeHeaderMax bounds the header sizes ReadCodeLayout considers;
 // codeBlocksMin is the fewest blocks a buffer's layout is believed with,
-// codeAgreeMin the share of candidates (in 1/16ths) that must agree.
+// codeAgreeMin the share (in 1/16ths) of candidates that must agree on
+// the header size, and of blocks whose keys must differ.
 const (
 	codeHeaderMax = 1024
 	codeBlocksMin = 64
@@ -274,6 +275,18 @@ func layoutOf(base uint64, runs []Span, cands []codeCandidate) (CodeLayout, erro
 		blocks = append(blocks, block{c.key, c.off / page, (end - 1) / page})
 	}
 	slices.SortFunc(blocks, func(a, b block) int { return cmp.Compare(a.key, b.key) })
+	// Keys that do not tell blocks apart (a build whose headers hold no
+	// pc there, as QEMU's for position-independent blocks may) would
+	// place a block on every page of its key.
+	distinct := 0
+	for i, b := range blocks {
+		if i == 0 || b.key != blocks[i-1].key {
+			distinct++
+		}
+	}
+	if 16*distinct < codeAgreeMin*len(blocks) {
+		return CodeLayout{}, ErrNoCodeBuffer
+	}
 	l := CodeLayout{base: base, keys: make([]uint32, len(blocks)), blocks: make([]uint32, len(blocks))}
 	for i, b := range blocks {
 		n := min(b.last-b.first, codeBlockPages-1)

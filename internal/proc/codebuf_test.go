@@ -163,7 +163,8 @@ func TestCodeLayout(t *testing.T) {
 }
 
 // TestCodeLayoutNoBlocks: a writable, executable mapping whose lines do
-// not point at their code a fixed distance ahead has no layout.
+// not point at their code a fixed distance ahead has no layout, nor one
+// whose blocks' keys are all alike.
 func TestCodeLayoutNoBlocks(t *testing.T) {
 	const line = 64
 	base := uint64(0x7f0000000000)
@@ -180,6 +181,20 @@ func TestCodeLayoutNoBlocks(t *testing.T) {
 	cands := appendCandidates(nil, base, 0, b)
 	if _, err := layoutOf(base, []Span{{0, uint64(len(b))}}, cands); !errors.Is(err, ErrNoCodeBuffer) {
 		t.Fatalf("random bytes: %v, want ErrNoCodeBuffer", err)
+	}
+
+	// Headers that agree, but whose first bytes are all alike: keys that
+	// tell no block apart.
+	clear(b)
+	for x := uint64(0); x+codeHeader+64 <= uint64(len(b)); x += 4 * line {
+		binary.NativeEndian.PutUint64(b[x+codePtrAt:], base+x+codeHeader)
+	}
+	cands = appendCandidates(nil, base, 0, b)
+	if len(cands) < codeBlocksMin {
+		t.Fatalf("%d candidates", len(cands))
+	}
+	if _, err := layoutOf(base, []Span{{0, uint64(len(b))}}, cands); !errors.Is(err, ErrNoCodeBuffer) {
+		t.Fatalf("keys all alike: %v, want ErrNoCodeBuffer", err)
 	}
 }
 

@@ -58,7 +58,7 @@ func residentAnon(id Identity, maxBytes uint64, maxRuns int) (spans []Span, maps
 	page := uint64(os.Getpagesize())
 	buf := make([]byte, 8*pagemapChunk)
 	var total uint64
-	for _, m := range privateMappings(maps) {
+	for _, m := range privateMappings(maps, nil) {
 		for addr := m.start; addr+page <= m.end; {
 			n := min((m.end-addr)/page, pagemapChunk)
 			got, err := f.ReadAt(buf[:8*n], int64(addr/page*8))

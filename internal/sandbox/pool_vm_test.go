@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/forkd/forkd/internal/netns"
+	"github.com/forkd/forkd/internal/proc"
 	"github.com/forkd/forkd/internal/sandbox"
 	"github.com/forkd/forkd/internal/state"
 	"github.com/forkd/forkd/internal/testutil"
@@ -36,15 +37,21 @@ func TestPool(t *testing.T) {
 	if list, _ := e.List(ctx); len(list) != 1 {
 		t.Fatalf("parked VMMs listed as sandboxes: %d listed", len(list))
 	}
-	// Pool entries wait restored and stopped, in the background class.
+	// Pool entries wait restored and stopped, in the background class,
+	// with what their start-up left (heap, relocated pages) in swap if
+	// the host has some.
 	recs, err := e.State().List()
 	if err != nil {
 		t.Fatal(err)
 	}
+	_, swapFree, _ := proc.Swap()
 	for _, r := range recs {
 		if r.Status == state.StatusParked {
 			if st := procState(t, r.Handle.Process.PID); st != "T" {
 				t.Fatalf("pool entry %s in state %s, want T (stopped)", r.ID, st)
+			}
+			if sw, err := proc.SwapBytes(r.Handle.Process.PID); swapFree > 1<<30 && (err != nil || sw < 1<<20) {
+				t.Fatalf("pool entry %s has %d bytes in swap (%v), want its start-up's MiBs", r.ID, sw, err)
 			}
 		}
 	}

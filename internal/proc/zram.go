@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
+	"math"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -98,4 +99,28 @@ func CompactZramSwap() (devices int, freed int64, err error) {
 		freed += max(0, before.Used-after.Used)
 	}
 	return devices, freed, errors.Join(errs...)
+}
+
+// SwapsToZram reports whether the swap the kernel fills first (the
+// highest priority in /proc/swaps) is a zram device: what is paged out
+// then stays in RAM, compressed, and comes back without a disk read. A
+// host without swap has none.
+func SwapsToZram() (bool, error) {
+	b, err := os.ReadFile(filepath.Join(Root, "swaps"))
+	if err != nil {
+		return false, err
+	}
+	best, zram := int64(math.MinInt64), false
+	for i, line := range strings.Split(strings.TrimSpace(string(b)), "\n") {
+		f := strings.Fields(line)
+		if i == 0 || len(f) < 5 {
+			continue
+		}
+		prio, err := strconv.ParseInt(f[4], 10, 64)
+		if err != nil || prio <= best {
+			continue
+		}
+		best, zram = prio, strings.HasPrefix(filepath.Base(f[0]), "zram")
+	}
+	return zram, nil
 }

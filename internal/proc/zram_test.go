@@ -68,3 +68,32 @@ func TestCompactZramSwap(t *testing.T) {
 		t.Fatal("CompactZramSwap without /proc/swaps: no error")
 	}
 }
+
+// TestSwapsToZram: the swap the kernel fills first decides.
+func TestSwapsToZram(t *testing.T) {
+	old := Root
+	Root = t.TempDir()
+	t.Cleanup(func() { Root = old })
+	const head = "Filename\t\t\t\tType\t\tSize\t\tUsed\t\tPriority\n"
+	for _, c := range []struct {
+		swaps string
+		want  bool
+	}{
+		{head, false},
+		{head + "/dev/zram0                              partition\t12341888\t0\t\t100\n", true},
+		{head + "/swapfile                               file\t\t1048572\t\t0\t\t-2\n/dev/zram0                              partition\t12341888\t0\t\t100\n", true},
+		{head + "/dev/sda2                               partition\t1048572\t\t0\t\t10\n/dev/zram0                              partition\t12341888\t0\t\t5\n", false},
+		{head + "/swap\\040file                          file\t\t1048572\t\t0\t\t-2\n", false},
+	} {
+		if err := os.WriteFile(filepath.Join(Root, "swaps"), []byte(c.swaps), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		if got, err := SwapsToZram(); err != nil || got != c.want {
+			t.Errorf("%q: %v %v, want %v", c.swaps, got, err, c.want)
+		}
+	}
+	os.Remove(filepath.Join(Root, "swaps"))
+	if _, err := SwapsToZram(); err == nil {
+		t.Error("no /proc/swaps: no error")
+	}
+}

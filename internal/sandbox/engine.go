@@ -299,7 +299,8 @@ func New(cfg Config) (*Engine, error) {
 		conns:    map[string]*agent.Client{},
 		idle: idler{
 			m: map[string]*idleState{}, reclaimAfter: cfg.IdleReclaim, siblings: map[string]proc.Notes{}, noting: map[string]bool{},
-			pageOut: proc.PageOut, resident: proc.ResidentAnon, pageIn: proc.PageIn, swapFree: hostSwapFree, compact: proc.CompactZramSwap,
+			pageOut: proc.PageOut, resident: proc.ResidentAnon, pageIn: proc.PageIn, swapFree: hostSwapFree,
+			swapsToZram: proc.SwapsToZram, compact: proc.CompactZramSwap,
 			noteResident: proc.NoteResident, place: proc.Place, codeLayout: proc.ReadCodeLayout,
 			inbound: cfg.Net.Inbound,
 		},

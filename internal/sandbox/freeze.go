@@ -190,16 +190,17 @@ type idler struct {
 	// Kept while sandboxes of the snapshot run. Guarded by mu.
 	siblings map[string]proc.Notes
 	noting   map[string]bool
-	// pageOut, resident, pageIn, swapFree and compact are
+	// pageOut, resident, pageIn, swapFree, swapsToZram and compact are
 	// proc.PageOut, proc.ResidentAnon, proc.PageIn, the host's free
-	// swap and proc.CompactZramSwap; noteResident, place and
-	// codeLayout are proc.NoteResident, proc.Place and
+	// swap, proc.SwapsToZram and proc.CompactZramSwap; noteResident,
+	// place and codeLayout are proc.NoteResident, proc.Place and
 	// proc.ReadCodeLayout; inbound is the network manager's Inbound.
 	// Unit tests replace them.
 	pageOut      func(proc.Identity, func() bool) (int64, error)
 	resident     func(proc.Identity, uint64, int) ([]proc.Span, error)
 	pageIn       func(proc.Identity, []proc.Span) (int64, error)
 	swapFree     func() (uint64, error)
+	swapsToZram  func() (bool, error)
 	compact      func() (int, int64, error)
 	noteResident func(proc.Identity, uint64, int) (proc.Notes, error)
 	place        func(proc.Identity, proc.Notes, proc.CodeLayout) ([]proc.Span, error)

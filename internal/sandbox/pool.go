@@ -448,9 +448,14 @@ func settle(ctx context.Context, id proc.Identity) error {
 // memory (guest RAM, a private mapping of the snapshot's memory file). On
 // a 2-core TCG host that was 8.6 of a warmed VMM's 32 MiB of private
 // memory, of which an exec faulted 0.8 back (docs/benchmarks.md). The
-// relocated pages are anonymous: without swap free they stay, and so
-// does anything a failure leaves.
+// relocated pages are anonymous: they go only where swap is zram (what
+// a fork's first request faults back then comes from RAM, not a disk)
+// with some free; otherwise they stay, as does anything a failure
+// leaves.
 func (e *Engine) trimParked(id string, pid proc.Identity, memory string) {
+	if zram, err := e.idle.swapsToZram(); err != nil || !zram {
+		return
+	}
 	if free, err := e.idle.swapFree(); err != nil || free < reclaimSwapFree {
 		return
 	}

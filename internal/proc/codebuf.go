@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"hash/fnv"
-	"io"
 	"os"
 	"path/filepath"
 	"slices"
@@ -149,33 +148,21 @@ func exclusivePages(p *Process, dir string, d mapDesc) ([]Span, error) {
 	}
 	defer f.Close()
 	page := uint64(os.Getpagesize())
-	buf := make([]byte, 8*pagemapChunk)
 	var runs []Span
-	for at := uint64(0); at < d.size; {
-		n := min((d.size-at)/page, pagemapChunk)
-		if n == 0 {
-			break
+	err = walkPagemap(f, p.id.PID, d.start, d.start+d.size, make([]byte, 8*pagemapChunk), func(at, e uint64) bool {
+		if e&pmPresent == 0 || e&pmExclusive == 0 {
+			return true
 		}
-		got, err := f.ReadAt(buf[:8*n], int64((d.start+at)/page*8))
-		if err != nil && !errors.Is(err, io.EOF) {
-			return nil, p.gone(fmt.Errorf("read pagemap of %d: %w", p.id.PID, err))
+		off := at - d.start
+		if k := len(runs) - 1; k >= 0 && runs[k].Start+runs[k].Len == off {
+			runs[k].Len += page
+		} else {
+			runs = append(runs, Span{off, page})
 		}
-		if uint64(got) < 8*n {
-			return nil, p.gone(fmt.Errorf("read pagemap of %d: short read", p.id.PID))
-		}
-		for i := range n {
-			e := binary.NativeEndian.Uint64(buf[8*i:])
-			if e&pmPresent == 0 || e&pmExclusive == 0 {
-				continue
-			}
-			off := at + i*page
-			if k := len(runs) - 1; k >= 0 && runs[k].Start+runs[k].Len == off {
-				runs[k].Len += page
-			} else {
-				runs = append(runs, Span{off, page})
-			}
-		}
-		at += n * page
+		return true
+	})
+	if err != nil {
+		return nil, p.gone(err)
 	}
 	return runs, nil
 }

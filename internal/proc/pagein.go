@@ -58,43 +58,63 @@ func residentAnon(id Identity, maxBytes uint64, maxRuns int) (spans []Span, maps
 	page := uint64(os.Getpagesize())
 	buf := make([]byte, 8*pagemapChunk)
 	var total uint64
+	over := false // past maxBytes or maxRuns
 	for _, m := range privateMappings(maps, nil) {
-		for addr := m.start; addr+page <= m.end; {
-			n := min((m.end-addr)/page, pagemapChunk)
-			got, err := f.ReadAt(buf[:8*n], int64(addr/page*8))
-			if err != nil && !errors.Is(err, io.EOF) {
-				return nil, nil, p.gone(fmt.Errorf("read pagemap of %d at %#x: %w", id.PID, addr, err))
+		err := walkPagemap(f, id.PID, m.start, m.end, buf, func(at, e uint64) bool {
+			if e&pmPresent == 0 || e&pmFile != 0 {
+				return true
 			}
-			for i := range uint64(got / 8) {
-				e := binary.NativeEndian.Uint64(buf[8*i:])
-				if e&pmPresent == 0 || e&pmFile != 0 {
-					continue
+			if k := len(spans) - 1; k >= 0 && spans[k].Start+spans[k].Len == at {
+				spans[k].Len += page
+			} else {
+				if maxRuns > 0 && len(spans) == maxRuns {
+					over = true
+					return false
 				}
-				at := addr + i*page
-				if k := len(spans) - 1; k >= 0 && spans[k].Start+spans[k].Len == at {
-					spans[k].Len += page
-				} else {
-					if maxRuns > 0 && len(spans) == maxRuns {
-						return nil, maps, nil
-					}
-					spans = append(spans, Span{at, page})
-				}
-				if total += page; maxBytes > 0 && total > maxBytes {
-					return nil, maps, nil
-				}
+				spans = append(spans, Span{at, page})
 			}
-			if uint64(got) < 8*n {
-				// pagemap has an entry for every address below the
-				// top of the address space: the process has exited.
-				return nil, nil, p.gone(fmt.Errorf("read pagemap of %d at %#x: short read", id.PID, addr))
-			}
-			addr += n * page
+			total += page
+			over = maxBytes > 0 && total > maxBytes
+			return !over
+		})
+		switch {
+		case err != nil:
+			return nil, nil, p.gone(err)
+		case over:
+			return nil, maps, nil
 		}
 	}
 	if exited(p.fd) {
 		return nil, nil, errExited(id.PID)
 	}
 	return spans, maps, nil
+}
+
+// walkPagemap calls each with the address and pagemap entry of every
+// whole page from start to end of the process pid whose pagemap f is, in
+// address order, reading len(buf)/8 entries at a time, until each
+// returns false. It fails on a short read: pagemap has an entry for
+// every address below the top of the address space, so the process has
+// exited.
+func walkPagemap(f *os.File, pid int, start, end uint64, buf []byte, each func(addr, entry uint64) bool) error {
+	page := uint64(os.Getpagesize())
+	for addr := start; addr+page <= end; {
+		n := min((end-addr)/page, uint64(len(buf)/8))
+		got, err := f.ReadAt(buf[:8*n], int64(addr/page*8))
+		if err != nil && !errors.Is(err, io.EOF) {
+			return fmt.Errorf("read pagemap of %d at %#x: %w", pid, addr, err)
+		}
+		for i := range uint64(got / 8) {
+			if !each(addr+i*page, binary.NativeEndian.Uint64(buf[8*i:])) {
+				return nil
+			}
+		}
+		if uint64(got) < 8*n {
+			return fmt.Errorf("read pagemap of %d at %#x: short read", pid, addr)
+		}
+		addr += n * page
+	}
+	return nil
 }
 
 // pageInBuf is how many bytes PageIn copies out with one call.

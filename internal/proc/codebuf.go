@@ -75,18 +75,24 @@ func (l CodeLayout) Blocks() int { return len(l.keys) }
 // buffer, or one whose blocks it cannot tell apart.
 var ErrNoCodeBuffer = errors.New("no code buffer with known block headers")
 
-// codeBuffer returns the code buffer in a /proc/PID/maps text: its only
-// private anonymous mapping that is writable and executable, if it is
-// no larger than codeBufferMax.
-func codeBuffer(maps []byte) (mapDesc, bool) {
-	var found mapDesc
-	n := 0
-	for _, d := range privateLayout(maps) {
+// codeBuffer returns the index in layout (privateLayout's) of the code
+// buffer: the only private anonymous mapping that is writable and
+// executable, if it is no larger than codeBufferMax; -1 if there is
+// none.
+func codeBuffer(layout []mapDesc) int {
+	found := -1
+	for i, d := range layout {
 		if d.isCode() {
-			found, n = d, n+1
+			if found >= 0 {
+				return -1
+			}
+			found = i
 		}
 	}
-	return found, n == 1 && found.size <= codeBufferMax
+	if found >= 0 && layout[found].size > codeBufferMax {
+		return -1
+	}
+	return found
 }
 
 // codeCandidate is a cache line of the buffer at off whose pointer lies
@@ -114,10 +120,12 @@ func ReadCodeLayout(id Identity) (CodeLayout, error) {
 	if err != nil {
 		return CodeLayout{}, p.gone(err)
 	}
-	buf, ok := codeBuffer(maps)
-	if !ok {
+	layout := privateLayout(maps)
+	i := codeBuffer(layout)
+	if i < 0 {
 		return CodeLayout{}, ErrNoCodeBuffer
 	}
+	buf := layout[i]
 	runs, err := exclusivePages(p, dir, buf)
 	if err != nil {
 		return CodeLayout{}, err

@@ -169,17 +169,9 @@ func noteSpans(maps []byte, spans []Span) Notes {
 // then finds those blocks wherever another process has them); n as it
 // is if l names no blocks or was not read of that buffer.
 func (n Notes) WithCode(l CodeLayout) Notes {
-	if l.Blocks() == 0 {
+	m := codeBuffer(n.layout)
+	if l.Blocks() == 0 || m < 0 || n.layout[m].start != l.base {
 		return n
-	}
-	m := -1
-	for i, d := range n.layout {
-		if d.isCode() {
-			if m >= 0 || d.start != l.base {
-				return n
-			}
-			m = i
-		}
 	}
 	var runs []noteRun
 	for _, r := range n.runs {
@@ -187,7 +179,7 @@ func (n Notes) WithCode(l CodeLayout) Notes {
 			runs = append(runs, r)
 		}
 	}
-	if m < 0 || len(runs) == 0 {
+	if len(runs) == 0 {
 		return n
 	}
 	n.code = l.keysOn(runs)
@@ -205,7 +197,7 @@ func placeNotes(maps []byte, n Notes, code CodeLayout) []Span {
 		return nil
 	}
 	to := privateLayout(maps)
-	if d, ok := codeBuffer(maps); !ok || d.start != code.base || n.code == nil {
+	if i := codeBuffer(to); i < 0 || to[i].start != code.base || n.code == nil {
 		code = CodeLayout{}
 	}
 	pair := pairLayouts(n.layout, to)

@@ -19,6 +19,7 @@ import (
 
 	"github.com/forkd/forkd/internal/cgroup"
 	"github.com/forkd/forkd/internal/image/kernel"
+	"github.com/forkd/forkd/internal/proc"
 )
 
 func (r *run) root() bool { return r.opts.EUID() == 0 }
@@ -393,15 +394,11 @@ func (r *run) swap(ctx context.Context) Check {
 		return Check{Status: Skip, Detail: "no /proc/swaps: " + err.Error()}
 	}
 	var zram, other []string
-	for i, line := range strings.Split(strings.TrimSpace(string(b)), "\n") {
-		f := strings.Fields(line)
-		if i == 0 || len(f) < 3 {
-			continue
-		}
-		if strings.HasPrefix(filepath.Base(f[0]), "zram") {
-			zram = append(zram, f[0])
+	for _, d := range proc.ParseSwaps(b) {
+		if d.Zram() {
+			zram = append(zram, d.Path)
 		} else {
-			other = append(other, f[0])
+			other = append(other, d.Path)
 		}
 	}
 	switch {

@@ -101,26 +101,48 @@ func CompactZramSwap() (devices int, freed int64, err error) {
 	return devices, freed, errors.Join(errs...)
 }
 
-// SwapsToZram reports whether the swap the kernel fills first (the
-// highest priority in /proc/swaps) is a zram device: what is paged out
-// then stays in RAM, compressed, and comes back without a disk read. A
-// host without swap has none.
-func SwapsToZram() (bool, error) {
-	b, err := os.ReadFile(filepath.Join(Root, "swaps"))
-	if err != nil {
-		return false, err
-	}
-	best, zram := int64(math.MinInt64), false
+// SwapDevice is a swap device or file of /proc/swaps: its path and the
+// priority the kernel fills it in (higher first).
+type SwapDevice struct {
+	Path     string
+	Priority int64
+}
+
+// Zram reports whether d is a zram device: what is paged out to it stays
+// in RAM, compressed, and comes back without a disk read.
+func (d SwapDevice) Zram() bool { return strings.HasPrefix(filepath.Base(d.Path), "zram") }
+
+// ParseSwaps returns the swap devices a /proc/swaps text lists, past its
+// heading; a line it cannot read is left out.
+func ParseSwaps(b []byte) []SwapDevice {
+	var out []SwapDevice
 	for i, line := range strings.Split(strings.TrimSpace(string(b)), "\n") {
 		f := strings.Fields(line)
 		if i == 0 || len(f) < 5 {
 			continue
 		}
 		prio, err := strconv.ParseInt(f[4], 10, 64)
-		if err != nil || prio <= best {
+		if err != nil {
 			continue
 		}
-		best, zram = prio, strings.HasPrefix(filepath.Base(f[0]), "zram")
+		out = append(out, SwapDevice{Path: f[0], Priority: prio})
+	}
+	return out
+}
+
+// SwapsToZram reports whether the swap the kernel fills first (the
+// highest priority in /proc/swaps) is a zram device. A host without swap
+// has none.
+func SwapsToZram() (bool, error) {
+	b, err := os.ReadFile(filepath.Join(Root, "swaps"))
+	if err != nil {
+		return false, err
+	}
+	best, zram := int64(math.MinInt64), false
+	for _, d := range ParseSwaps(b) {
+		if d.Priority > best {
+			best, zram = d.Priority, d.Zram()
+		}
 	}
 	return zram, nil
 }

@@ -7,12 +7,12 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"strings"
 	"sync"
 	"syscall"
 	"time"
 
 	"github.com/forkd/forkd/internal/agent"
+	"github.com/forkd/forkd/internal/agent/proto"
 	"github.com/forkd/forkd/internal/cleanup"
 	"github.com/forkd/forkd/internal/proc"
 	"github.com/forkd/forkd/internal/snapshot"
@@ -397,13 +397,16 @@ func (p *pool) park(snap *snapshot.Snapshot) (_ *parkedVMM, err error) {
 	if err != nil {
 		return nil, err
 	}
-	if err := warm(ctx, m, id); err != nil {
+	init := initRequest(id, 0)
+	if err := warm(ctx, m, &init); err != nil {
 		return nil, err
 	}
 	if err := settle(ctx, sb.Handle.Process); err != nil {
 		return nil, err
 	}
-	e.trimParked(id, sb.Handle.Process, spec.MemoryFile)
+	if err := e.trimParked(ctx, id, m, sb.Handle.Process); err != nil {
+		return nil, err
+	}
 	if err := proc.Signal(sb.Handle.Process, syscall.SIGSTOP); err != nil {
 		return nil, err
 	}
@@ -441,51 +444,55 @@ func settle(ctx context.Context, id proc.Identity) error {
 	return nil
 }
 
-// trimParked pages out what a pool entry's VMM kept of its start-up that
-// a guest's requests do not touch: its heap (the incoming migration's
-// buffers, freed and not given back to the kernel) and the pages of its
-// program and libraries the loader relocated, of every file it maps but
-// memory (guest RAM, a private mapping of the snapshot's memory file). On
-// a 2-core TCG host that was 8.6 of a warmed VMM's 32 MiB of private
-// memory, of which an exec faulted 0.8 back (docs/benchmarks.md). The
-// relocated pages are anonymous: they go only where swap is zram (what
-// a fork's first request faults back then comes from RAM, not a disk)
-// with some free; otherwise they stay, as does anything a failure
-// leaves.
-func (e *Engine) trimParked(id string, pid proc.Identity, memory string) {
+// trimParked leaves a pool entry's VMM holding little more than what a
+// request uses: it pages all of the VMM's private memory out, has the
+// guest run true once more, which faults back what an exec touches (its
+// translated code, the blocks' hash table, the vCPU's TLB tables, the
+// pages of the guest, the agent and QEMU that it reaches), and lets the
+// guest settle again. What stays out is what the restore and the first
+// warm-up used once: the incoming migration's buffers, the code
+// translated for the resume and the agent's init, the pages the loader
+// relocated. On a 2-core TCG host that took a child from the pool from
+// 23.4 to 19.0–19.5 MiB after its fork (docs/benchmarks.md). Pages go
+// out only where swap is zram with some free: what a fork's later
+// requests fault back then comes from RAM, not a disk. A failed page-out
+// leaves the entry as it is; a failed exec or settle discards it.
+func (e *Engine) trimParked(ctx context.Context, id string, m vmm.Machine, pid proc.Identity) error {
 	if zram, err := e.idle.swapsToZram(); err != nil || !zram {
-		return
+		return nil
 	}
 	if free, err := e.idle.swapFree(); err != nil || free < reclaimSwapFree {
-		return
+		return nil
 	}
-	// The kernel names a file by its path with symbolic links resolved.
-	real, err := filepath.EvalSymlinks(memory)
+	moved, err := proc.PageOut(pid, nil)
 	if err != nil {
-		real = memory
+		e.log.Debug("pool: page out a parked VMM", "sandbox", id, "err", err)
+		return nil
 	}
-	moved, err := proc.PageOutWhere(pid, nil, func(m proc.Mapping) bool {
-		return m.Path == "[heap]" || strings.HasPrefix(m.Path, "/") && m.Path != memory && m.Path != real
-	})
-	if err != nil {
-		e.log.Debug("pool: page out a parked VMM's start-up memory", "sandbox", id, "err", err)
-		return
+	if err := warm(ctx, m, nil); err != nil {
+		return err
 	}
-	e.log.Debug("pool: paged out a parked VMM's start-up memory", "sandbox", id, "mib", moved>>20)
+	if err := settle(ctx, pid); err != nil {
+		return err
+	}
+	e.log.Debug("pool: paged out a parked VMM but for what an exec uses", "sandbox", id, "mib", moved>>20)
+	return nil
 }
 
-// warm waits for the agent of m, a pool entry, and has it run true: under
-// TCG the guest's first exec after a restore costs a translation of its
-// whole exec path (~150–250 ms of CPU here), which the child that takes
-// the entry then does not pay.
-func warm(ctx context.Context, m vmm.Machine, id string) error {
+// warm waits for the agent of m, a pool entry, sends it init if that is
+// not nil, and has it run true: under TCG the guest's first exec after a
+// restore costs a translation of its whole exec path (~150–250 ms of CPU
+// here), which the child that takes the entry then does not pay.
+func warm(ctx context.Context, m vmm.Machine, init *proto.InitRequest) error {
 	c, err := DialAgent(ctx, m, agent.Options{})
 	if err != nil {
 		return err
 	}
 	defer c.Close()
-	if err := c.Init(ctx, initRequest(id, 0)); err != nil {
-		return fmt.Errorf("init: %w", err)
+	if init != nil {
+		if err := c.Init(ctx, *init); err != nil {
+			return fmt.Errorf("init: %w", err)
+		}
 	}
 	res, err := c.Exec(ctx, agent.ExecRequest{Args: []string{"true"}})
 	if err == nil && res.ExitCode != 0 {

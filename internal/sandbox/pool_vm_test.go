@@ -38,8 +38,7 @@ func TestPool(t *testing.T) {
 		t.Fatalf("parked VMMs listed as sandboxes: %d listed", len(list))
 	}
 	// Pool entries wait restored and stopped, in the background class,
-	// with what their start-up left (heap, relocated pages) in swap if
-	// the host swaps to zram.
+	// with all but what an exec uses in swap if the host swaps to zram.
 	recs, err := e.State().List()
 	if err != nil {
 		t.Fatal(err)
@@ -54,7 +53,7 @@ func TestPool(t *testing.T) {
 				t.Fatalf("pool entry %s in state %s, want T (stopped)", r.ID, st)
 			}
 			if sw, err := proc.SwapBytes(r.Handle.Process.PID); swapFree > 1<<30 && (err != nil || sw < 1<<20) {
-				t.Fatalf("pool entry %s has %d bytes in swap (%v), want its start-up's MiBs", r.ID, sw, err)
+				t.Fatalf("pool entry %s has %d bytes in swap (%v), want all but what an exec uses", r.ID, sw, err)
 			}
 		}
 	}

@@ -8,7 +8,6 @@ import (
 	"path/filepath"
 	"slices"
 	"strconv"
-	"strings"
 )
 
 // Notes name runs of a process's private pages by the mapping they lie in
@@ -56,15 +55,6 @@ func (n Notes) Bytes() uint64 {
 		b += r.len
 	}
 	return b
-}
-
-// path returns the file d maps, its name in brackets, or "" (anonymous).
-func (d mapDesc) path() string {
-	if d.name == "" || d.name[0] == '[' {
-		return d.name
-	}
-	_, path, _ := strings.Cut(d.name, " ")
-	return path
 }
 
 // privateLayout returns the private (copy-on-write) mappings of a

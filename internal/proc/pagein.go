@@ -59,7 +59,7 @@ func residentAnon(id Identity, maxBytes uint64, maxRuns int) (spans []Span, maps
 	buf := make([]byte, 8*pagemapChunk)
 	var total uint64
 	over := false // past maxBytes or maxRuns
-	for _, m := range privateMappings(maps, nil) {
+	for _, m := range privateMappings(maps) {
 		err := walkPagemap(f, id.PID, m.start, m.end, buf, func(at, e uint64) bool {
 			if e&pmPresent == 0 || e&pmFile != 0 {
 				return true

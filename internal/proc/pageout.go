@@ -36,17 +36,6 @@ const pageOutChunk = 1 << 30
 // process (root); without them, or on a kernel before 5.10, the error
 // wraps EPERM or ENOSYS.
 func PageOut(id Identity, keep func() bool) (moved int64, err error) {
-	return PageOutWhere(id, keep, nil)
-}
-
-// Mapping names a private mapping of a process for PageOutWhere: Path is
-// the file it maps, a name in brackets ("[heap]"), or empty for
-// anonymous memory; Perms its permissions ("r--p").
-type Mapping struct{ Path, Perms string }
-
-// PageOutWhere is PageOut over the private mappings want returns true
-// for (nil: all of them).
-func PageOutWhere(id Identity, keep func() bool, want func(Mapping) bool) (moved int64, err error) {
 	p, err := Open(id)
 	if err != nil {
 		return 0, err
@@ -64,7 +53,7 @@ func PageOutWhere(id Identity, keep func() bool, want func(Mapping) bool) (moved
 		return 0, p.gone(err)
 	}
 	var errs []error
-	for _, m := range privateMappings(maps, want) {
+	for _, m := range privateMappings(maps) {
 		for off := m.start; off < m.end; {
 			if keep != nil && !keep() {
 				return 0, ErrStopped
@@ -112,13 +101,11 @@ func PageOutWhere(id Identity, keep func() bool, want func(Mapping) bool) (moved
 type mapping struct{ start, end uint64 }
 
 // privateMappings returns the private (copy-on-write) mappings in a
-// /proc/PID/maps text that want returns true for (nil: all).
-func privateMappings(maps []byte, want func(Mapping) bool) []mapping {
+// /proc/PID/maps text.
+func privateMappings(maps []byte) []mapping {
 	var out []mapping
 	for _, d := range privateLayout(maps) {
-		if want == nil || want(Mapping{Path: d.path(), Perms: d.perms}) {
-			out = append(out, mapping{d.start, d.start + d.size})
-		}
+		out = append(out, mapping{d.start, d.start + d.size})
 	}
 	return out
 }

@@ -458,10 +458,7 @@ func settle(ctx context.Context, id proc.Identity) error {
 // requests fault back then comes from RAM, not a disk. A failed page-out
 // leaves the entry as it is; a failed exec or settle discards it.
 func (e *Engine) trimParked(ctx context.Context, id string, m vmm.Machine, pid proc.Identity) error {
-	if zram, err := e.idle.swapsToZram(); err != nil || !zram {
-		return nil
-	}
-	if free, err := e.idle.swapFree(); err != nil || free < reclaimSwapFree {
+	if !e.zramFree() {
 		return nil
 	}
 	moved, err := proc.PageOut(pid, nil)
@@ -477,6 +474,17 @@ func (e *Engine) trimParked(ctx context.Context, id string, m vmm.Machine, pid p
 	}
 	e.log.Debug("pool: paged out a parked VMM but for what an exec uses", "sandbox", id, "mib", moved>>20)
 	return nil
+}
+
+// zramFree reports whether the host swaps to zram first, with at least
+// reclaimSwapFree of its swap free.
+func (e *Engine) zramFree() bool {
+	zram, err := e.idle.swapsToZram()
+	if err != nil || !zram {
+		return false
+	}
+	free, err := e.idle.swapFree()
+	return err == nil && free >= reclaimSwapFree
 }
 
 // warm waits for the agent of m, a pool entry, sends it init if that is

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"runtime"
 	"sync"
 	"syscall"
 	"time"
@@ -404,7 +405,7 @@ func (p *pool) park(snap *snapshot.Snapshot) (_ *parkedVMM, err error) {
 	if err := settle(ctx, sb.Handle.Process); err != nil {
 		return nil, err
 	}
-	if err := e.trimParked(ctx, id, m, sb.Handle.Process); err != nil {
+	if err := e.trimParked(ctx, id, m, sb.Handle.Process, p.background); err != nil {
 		return nil, err
 	}
 	if err := proc.Signal(sb.Handle.Process, syscall.SIGSTOP); err != nil {
@@ -456,12 +457,14 @@ func settle(ctx context.Context, id proc.Identity) error {
 // 23.4 to 19.0–19.5 MiB after its fork (docs/benchmarks.md). Pages go
 // out only where swap is zram with some free: what a fork's later
 // requests fault back then comes from RAM, not a disk. A failed page-out
-// leaves the entry as it is; a failed exec or settle discards it.
-func (e *Engine) trimParked(ctx context.Context, id string, m vmm.Machine, pid proc.Identity) error {
+// leaves the entry as it is; a failed exec or settle discards it. With
+// background, the page-out (the compression into zram, on the caller's
+// CPU) runs in SCHED_IDLE, as the entry does: behind a fork's restores.
+func (e *Engine) trimParked(ctx context.Context, id string, m vmm.Machine, pid proc.Identity, background bool) error {
 	if !e.zramFree() {
 		return nil
 	}
-	moved, err := proc.PageOut(pid, nil)
+	moved, err := pageOut(ctx, pid, background)
 	if err != nil {
 		e.log.Debug("pool: page out a parked VMM", "sandbox", id, "err", err)
 		return nil
@@ -474,6 +477,33 @@ func (e *Engine) trimParked(ctx context.Context, id string, m vmm.Machine, pid p
 	}
 	e.log.Debug("pool: paged out a parked VMM but for what an exec uses", "sandbox", id, "mib", moved>>20)
 	return nil
+}
+
+// pageOut is proc.PageOut of the process named by id until ctx ends,
+// with background on an OS thread of the SCHED_IDLE class.
+func pageOut(ctx context.Context, id proc.Identity, background bool) (int64, error) {
+	keep := func() bool { return ctx.Err() == nil }
+	if !background {
+		return proc.PageOut(id, keep)
+	}
+	type result struct {
+		moved int64
+		err   error
+	}
+	done := make(chan result, 1)
+	go func() {
+		// Never unlocked: the thread ends with the goroutine, and its
+		// class with it.
+		runtime.LockOSThread()
+		if _, err := proc.SchedThread(proc.Background); err != nil {
+			done <- result{err: err}
+			return
+		}
+		moved, err := proc.PageOut(id, keep)
+		done <- result{moved, err}
+	}()
+	r := <-done
+	return r.moved, r.err
 }
 
 // zramFree reports whether the host swaps to zram first, with at least

@@ -454,7 +454,7 @@ func settle(ctx context.Context, id proc.Identity) error {
 // warm-up used once: the incoming migration's buffers, the code
 // translated for the resume and the agent's init, the pages the loader
 // relocated. On a 2-core TCG host that took a child from the pool from
-// 23.4 to 19.0–19.5 MiB after its fork (docs/benchmarks.md). Pages go
+// 23.3–23.9 to 19.0–19.6 MiB after its fork (docs/benchmarks.md). Pages go
 // out only where swap is zram with some free: what a fork's later
 // requests fault back then comes from RAM, not a disk. A failed page-out
 // leaves the entry as it is; a failed exec or settle discards it. With

@@ -77,12 +77,11 @@ func CompactZramSwap() (devices int, freed int64, err error) {
 		return 0, 0, err
 	}
 	var errs []error
-	for line := range bytes.Lines(b) {
-		f := bytes.Fields(line)
-		if len(f) == 0 || !strings.HasPrefix(string(f[0]), "/dev/zram") {
+	for _, d := range ParseSwaps(b) {
+		if !d.Zram() {
 			continue
 		}
-		dir := filepath.Join(SysBlock, filepath.Base(string(f[0])))
+		dir := filepath.Join(SysBlock, filepath.Base(d.Path))
 		before, err := zramUse(dir)
 		if err == nil {
 			err = os.WriteFile(filepath.Join(dir, "compact"), []byte("1"), 0)
